@@ -1,0 +1,22 @@
+"""snack: truly sparse neural networks for PyTorch.
+
+Layers store and compute only their non-zero connections, train with sparse backpropagation,
+and can rewire during training, without ever building a dense weight, mask or gradient.
+"""
+
+from snack import ops
+from snack.backends import available_backends, use_backend
+from snack.nn import SparseLinear, densify, sparsify
+from snack.topology import Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SparseLinear",
+    "Topology",
+    "available_backends",
+    "densify",
+    "ops",
+    "sparsify",
+    "use_backend",
+]

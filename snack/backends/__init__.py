@@ -1,0 +1,151 @@
+"""Kernel backends, and how one is chosen for each call.
+
+A backend implements the three sparse ops on the flat topology tensors
+(:class:`snack.topology.TopologyTensors`); shapes are those of :mod:`snack.ops`:
+
+* ``spmm(x, values, topo)``   ``x (B, in)``  → ``(B, out)``, ``Y = X·Wᵀ``
+* ``spmm_t(dy, values, topo)`` ``dy (B, out)`` → ``(B, in)``, ``dX = dY·W``
+* ``sddmm(dy, x, topo)`` → ``(nnz,)``, ``dvalues[k] = Σ_b dy[b, row_k] · x[b, col_k]``
+
+and ``supports(device) -> bool``. ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
+Inputs arrive contiguous, checked, on one device; outputs must be new tensors. The custom ops in :mod:`snack.ops` register one kernel per
+device type with PyTorch's dispatcher; that kernel asks :func:`resolve` which backend to run:
+the one forced by :func:`use_backend`, else the first default for the device type that loads.
+
+Backends are registered by name with a *loader* so that heavy ones (a C++ build, Triton) are
+only imported when first used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from snack.topology import TopologyTensors
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "available_backends",
+    "default_backend_name",
+    "get_backend",
+    "register_backend",
+    "resolve",
+    "use_backend",
+]
+
+
+class Backend(Protocol):
+    def supports(self, device: torch.device) -> bool: ...
+    def spmm(self, x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor: ...
+    def spmm_t(self, dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor: ...
+    def sddmm(self, dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor: ...
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for that cannot run here (not installed, failed to build, wrong device)."""
+
+
+_LOADERS: dict[str, Callable[[], Backend]] = {}
+_LOADED: dict[str, Backend] = {}
+_FAILED: dict[str, str] = {}
+# Device type -> backend names, most preferred first. "reference" is the last resort everywhere.
+_DEFAULTS: dict[str, list[str]] = {}
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("snack_backend", default=None)
+
+
+def register_backend(name: str, loader: Callable[[], Backend] | str, *, default_for: tuple[str, ...] = ()) -> None:
+    """Make backend ``name`` available.
+
+    Args:
+        loader: a zero-argument callable returning the backend, or a module path to import.
+        default_for: device types (``"cpu"``, ``"cuda"``) for which this backend is preferred
+            over those registered before it.
+    """
+    if isinstance(loader, str):
+        module_path = loader
+        loader = lambda: importlib.import_module(module_path)  # noqa: E731
+    _LOADERS[name] = loader
+    _LOADED.pop(name, None)
+    _FAILED.pop(name, None)
+    for device_type in default_for:
+        order = _DEFAULTS.setdefault(device_type, [])
+        if name in order:
+            order.remove(name)
+        order.insert(0, name)
+
+
+def available_backends() -> list[str]:
+    """Names of all registered backends (whether or not they load on this machine)."""
+    return sorted(_LOADERS)
+
+
+def get_backend(name: str) -> Backend:
+    """Load (once) and return backend ``name``; raise :class:`BackendUnavailableError` if it can't."""
+    if name not in _LOADERS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {available_backends()}")
+    if name in _LOADED:
+        return _LOADED[name]
+    if name in _FAILED:
+        raise BackendUnavailableError(f"snack backend {name!r} is unavailable: {_FAILED[name]}")
+    try:
+        backend = _LOADERS[name]()
+    except Exception as error:  # any loader failure (ImportError, a compiler error, ...) is reported the same way
+        _FAILED[name] = f"{type(error).__name__}: {error}"
+        raise BackendUnavailableError(f"snack backend {name!r} is unavailable: {_FAILED[name]}") from error
+    _LOADED[name] = backend
+    return backend
+
+
+def default_backend_name(device_type: str) -> str:
+    """The backend that runs on ``device_type`` when none is forced.
+
+    Tries the registered defaults in order and warns (once per backend) about each that fails
+    to load, so a broken native build is never silently replaced by the slow reference.
+    """
+    for name in _DEFAULTS.get(device_type, []):
+        if name in _FAILED:
+            continue
+        try:
+            get_backend(name)
+        except BackendUnavailableError as error:
+            warnings.warn(f"{error}; falling back to the next backend for {device_type}", RuntimeWarning, stacklevel=2)
+            continue
+        return name
+    return "reference"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force every snack op inside the ``with`` block to run on backend ``name``.
+
+    Raises at once if the backend does not exist or cannot load. Ops on a device the backend
+    does not support raise :class:`BackendUnavailableError` when called.
+    """
+    get_backend(name)
+    token = _FORCED.set(name)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def resolve(device: torch.device) -> Backend:
+    """The backend an op on ``device`` runs on now."""
+    name = _FORCED.get()
+    if name is None:
+        name = default_backend_name(device.type)
+    backend = get_backend(name)
+    if not backend.supports(device):
+        raise BackendUnavailableError(f"snack backend {name!r} does not support device {device}")
+    return backend
+
+
+register_backend("reference", "snack.backends.reference")

@@ -1,0 +1,31 @@
+"""The ``snack`` command. Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only when used."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snack", description="Truly sparse neural networks for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_path, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_path)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

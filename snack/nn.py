@@ -1,0 +1,412 @@
+"""``SparseLinear``, a truly sparse drop-in for ``nn.Linear``, and ``sparsify`` / ``densify``."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from snack.distributions import layer_sparsities
+from snack.ops import sparse_linear
+from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
+
+__all__ = ["SparseLinear", "densify", "sparsify"]
+
+_STATE_VERSION = 1
+
+
+class SparseLinear(nn.Module):
+    """``y = x · Wᵀ + b`` with a sparse ``W`` that stores only its ``nnz`` connections.
+
+    Input ``(*, in_features)``, output ``(*, out_features)``, like ``nn.Linear``. The weight is
+    kept in sorted COO form: buffers ``row``, ``col`` (``(nnz,)`` int32) and the parameter
+    ``values`` (``(nnz,)``). Forward and backward run the sparse ops of :mod:`snack.ops`; no
+    ``out × in`` tensor is built unless :meth:`to_dense` is called.
+
+    Initialisation keeps the output variance of a dense ``nn.Linear`` under its default init:
+    ``nn.Linear`` draws ``W ~ U(-1/√in, 1/√in)``, so ``Var(y) = Var(x)/3``. Each sparse row has on
+    average ``fan_in = nnz / out_features`` inputs, so ``values ~ U(-1/√fan_in, 1/√fan_in)``
+    gives the same ``Var(y)``. The bias is drawn as in ``nn.Linear``: ``U(-1/√in, 1/√in)``.
+
+    Args:
+        in_features, out_features: sizes of each input and output sample.
+        bias: learn an additive bias.
+        sparsity: fraction of zero connections in ``[0, 1)``; the topology is drawn uniformly at
+            random with ``round((1 - sparsity) · out · in)`` connections.
+        device, dtype: of the parameters (indices are always int32 on ``device``).
+
+    Use :meth:`from_dense` to keep the non-zeros (or largest weights) of an existing layer, and
+    :meth:`from_coo` for explicit coordinates.
+    """
+
+    __constants__ = ["in_features", "out_features"]
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        check_shape(out_features, in_features)
+        sparsity = check_sparsity(sparsity)
+        row, col = random_coo(out_features, in_features, sparsity, device=device)
+        values = torch.empty(row.numel(), device=device, dtype=dtype)
+        bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+        self._init_state(in_features, out_features, row, col, values, bias_tensor)
+        self.reset_parameters()
+
+    def _init_state(self, in_features, out_features, row, col, values, bias) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("row", row)
+        self.register_buffer("col", col)
+        self.values = nn.Parameter(values)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self._topology: Topology | None = None
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def _from_parts(cls, in_features, out_features, row, col, values, bias) -> SparseLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._init_state(in_features, out_features, row, col, values, bias)
+        return layer
+
+    @classmethod
+    def from_dense(
+        cls, linear_or_weight: nn.Linear | Tensor, *, sparsity: float | None = None, bias: Tensor | None = None
+    ) -> SparseLinear:
+        """A sparse layer holding the non-zeros of a dense layer or weight.
+
+        Args:
+            linear_or_weight: an ``nn.Linear`` (its weight and bias are used) or an
+                ``(out_features, in_features)`` weight tensor.
+            sparsity: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
+                largest-magnitude ``round((1 - sparsity) · out · in)`` weights.
+            bias: ``(out_features,)`` bias, only with a weight tensor.
+
+        The result lives on the weight's device and dtype; parameters are copies.
+        """
+        if isinstance(linear_or_weight, nn.Linear):
+            if bias is not None:
+                raise ValueError("bias must not be given with an nn.Linear; its own bias is used")
+            weight, bias = linear_or_weight.weight, linear_or_weight.bias
+        elif isinstance(linear_or_weight, Tensor):
+            weight = linear_or_weight
+        else:
+            raise TypeError(f"linear_or_weight must be an nn.Linear or a Tensor, got {type(linear_or_weight).__name__}")
+        row, col, values = coo_from_dense(weight, sparsity)
+        out_features, in_features = weight.shape
+        if bias is not None:
+            if not isinstance(bias, Tensor) or bias.shape != (out_features,):
+                got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+                raise ValueError(f"bias must have shape ({out_features},), got {got}")
+            bias = bias.detach().clone().to(weight.dtype)
+        return cls._from_parts(in_features, out_features, row, col, values, bias)
+
+    @classmethod
+    def from_coo(
+        cls,
+        row: Tensor,
+        col: Tensor,
+        values: Tensor,
+        shape: tuple[int, int],
+        *,
+        bias: Tensor | None = None,
+    ) -> SparseLinear:
+        """A sparse layer from explicit coordinates.
+
+        Args:
+            row, col: ``(nnz,)`` integer coordinates, in any order, without duplicates.
+            values: ``(nnz,)`` floating weights matching ``row``/``col``.
+            shape: ``(out_features, in_features)``.
+            bias: optional ``(out_features,)`` bias.
+        """
+        out_features, in_features = shape
+        validate_coo(row, col, (out_features, in_features), require_sorted=False)
+        _check_values(values, row)
+        row, col, values = sort_coo(row, col, in_features, values.detach().clone())
+        if bias is not None:
+            if not isinstance(bias, Tensor) or bias.shape != (out_features,):
+                got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+                raise ValueError(f"bias must have shape ({out_features},), got {got}")
+            bias = bias.detach().clone().to(values.dtype)
+        return cls._from_parts(in_features, out_features, row, col, values, bias)
+
+    def reset_parameters(self) -> None:
+        """Re-draw ``values`` and ``bias`` with the variance-preserving rule (class docstring)."""
+        fan_in = max(1.0, self.nnz / self.out_features)
+        with torch.no_grad():
+            self.values.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+            if self.bias is not None:
+                bound = 1 / math.sqrt(self.in_features)
+                self.bias.uniform_(-bound, bound)
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def nnz(self) -> int:
+        return self.row.numel()
+
+    @property
+    def sparsity(self) -> float:
+        """Actual fraction of zero connections."""
+        return 1.0 - self.nnz / (self.out_features * self.in_features)
+
+    @property
+    def topology(self) -> Topology:
+        """The current coordinates with their cached derived data (rebuilt after any change)."""
+        if self._topology is None:
+            self._topology = Topology(self.row, self.col, (self.out_features, self.in_features), validate=False)
+        return self._topology
+
+    def indices(self) -> Tensor:
+        """``(2, nnz)`` int64 tensor of ``[row; col]``, as ``torch.sparse_coo_tensor`` takes them."""
+        return torch.stack([self.row, self.col]).long()
+
+    @torch.no_grad()
+    def set_topology(self, row: Tensor, col: Tensor, values: Tensor | None = None) -> None:
+        """Replace the connections (used by dynamic sparse training).
+
+        Args:
+            row, col: ``(nnz',)`` sorted unique coordinates; ``nnz'`` may differ from ``nnz``.
+            values: ``(nnz',)`` new weights; zeros when ``None``.
+
+        The ``values`` Parameter object is kept (its data is replaced) so optimizers still hold
+        it; its ``.grad`` is cleared, as it belonged to the old connections. Optimizer state is
+        not touched here (see :mod:`snack.dst`). On bad input nothing changes.
+        """
+        validate_coo(row, col, (self.out_features, self.in_features))
+        if row.device != self.values.device:
+            raise ValueError(f"row/col must be on the layer's device {self.values.device}, got {row.device}")
+        if values is None:
+            values = self.values.new_zeros(row.numel())
+        _check_values(values, row)
+        if values.dtype != self.values.dtype or values.device != self.values.device:
+            raise ValueError(
+                f"values must be {self.values.dtype} on {self.values.device}, got {values.dtype} on {values.device}"
+            )
+        self.row = row.to(torch.int32)
+        self.col = col.to(torch.int32)
+        self.values.data = values.detach().clone()
+        self.values.grad = None
+        self._topology = None
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.half() replace buffers: derived index data must follow
+        self._topology = None
+        return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not isinstance(input, Tensor):
+            raise TypeError(f"SparseLinear expects a Tensor input, got {type(input).__name__}")
+        if input.dim() == 0 or input.shape[-1] != self.in_features:
+            raise ValueError(
+                f"SparseLinear(in_features={self.in_features}): input must have shape (*, {self.in_features}), "
+                f"got {tuple(input.shape)}"
+            )
+        if input.dtype != self.values.dtype:
+            raise TypeError(f"SparseLinear: input dtype {input.dtype} does not match the layer's {self.values.dtype}")
+        if input.device != self.values.device:
+            raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
+        return sparse_linear(input, self.values, self.topology, self.bias)
+
+    # ------------------------------------------------------------------ conversion
+
+    def to_dense(self) -> Tensor:
+        """The ``(out_features, in_features)`` dense weight (differentiable in ``values``)."""
+        flat_index = self.row.long() * self.in_features + self.col.long()
+        dense = self.values.new_zeros(self.out_features * self.in_features)
+        return dense.index_put((flat_index,), self.values).view(self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
+            f"sparsity={self.sparsity:.4f}, bias={self.bias is not None}"
+        )
+
+    # ------------------------------------------------------------------ serialisation
+
+    def get_extra_state(self) -> dict:
+        return {"version": _STATE_VERSION, "shape": (self.out_features, self.in_features)}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass  # checked in _load_from_state_dict, before anything changes
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        """Load a topology of any nnz: resize ``row``/``col``/``values`` first, then let
+        ``nn.Module`` copy. On any error the layer is left untouched."""
+        keys = {name: prefix + name for name in ("row", "col", "values", "_extra_state")}
+        if keys["row"] not in state_dict or keys["col"] not in state_dict or keys["values"] not in state_dict:
+            # let nn.Module report the missing keys
+            return super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+        expected_shape = (self.out_features, self.in_features)
+        try:
+            extra = state_dict.get(keys["_extra_state"])
+            if isinstance(extra, dict) and tuple(extra.get("shape", expected_shape)) != expected_shape:
+                raise ValueError(f"the state_dict is of a {tuple(extra['shape'])} layer, this layer is {expected_shape}")
+            row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
+            validate_coo(row, col, expected_shape)
+            _check_values(values, row)
+            if self.bias is not None and prefix + "bias" in state_dict:
+                if state_dict[prefix + "bias"].shape != (self.out_features,):
+                    raise ValueError(
+                        f"bias must have shape ({self.out_features},), got {tuple(state_dict[prefix + 'bias'].shape)}"
+                    )
+        except (ValueError, TypeError) as error:
+            error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
+            return
+        if row.numel() != self.nnz:
+            with torch.no_grad():
+                self.values.data = self.values.new_empty(row.numel())
+            self.values.grad = None
+        self.row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
+        self.col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
+        self._topology = None
+        # row/col now match; nn.Module copies them again (cheap) and copies values and bias
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_topology"] = None  # derived data is rebuilt on demand
+        return state
+
+
+def _check_values(values: Tensor, row: Tensor) -> None:
+    if not isinstance(values, Tensor):
+        raise TypeError(f"values must be a Tensor, got {type(values).__name__}")
+    if not values.is_floating_point():
+        raise TypeError(f"values must be floating point, got dtype {values.dtype}")
+    if values.shape != (row.numel(),):
+        raise ValueError(f"values must have shape ({row.numel()},) to match row/col, got {tuple(values.shape)}")
+
+
+# ---------------------------------------------------------------------- model conversion
+
+
+def _conv1d_class():
+    """``transformers``' ``Conv1D`` if transformers is already imported (a model using it is)."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight (out, in), bias)`` of a layer ``sparsify`` converts, else ``None``."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return module.weight.t(), module.bias  # Conv1D stores (in, out): y = x @ weight + bias
+    return None
+
+
+def _selected(name: str, include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
+    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not (exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in exclude))
+
+
+def _patterns(value, name: str) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    patterns = list(value)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"{name} must be a glob pattern or a list of them, got {value!r}")
+    return patterns
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def sparsify(
+    module: nn.Module,
+    sparsity: float = 0.9,
+    *,
+    distribution: str = "uniform",
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    init: str = "magnitude",
+) -> nn.Module:
+    """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
+    :class:`SparseLinear`, in place.
+
+    Args:
+        sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
+        distribution: how that sparsity is spread over layers (see :mod:`snack.distributions`).
+        include, exclude: glob patterns on qualified module names (``"encoder.*"``); a layer is
+            converted when it matches some ``include`` (default: all) and no ``exclude``.
+        init: ``"magnitude"`` keeps each layer's largest-magnitude weights; ``"random"`` draws a
+            fresh random topology and variance-preserving init.
+
+    Returns:
+        ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
+    """
+    include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
+    if init not in ("magnitude", "random"):
+        raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
+    targets = {
+        name: wb
+        for name, child in module.named_modules()
+        if (wb := _dense_weight_and_bias(child)) is not None and _selected(name, include, exclude)
+    }
+    shapes = {name: tuple(weight.shape) for name, (weight, _) in targets.items()}
+    per_layer = layer_sparsities(shapes, sparsity, distribution)
+    converted = {}
+    for name, (weight, bias) in targets.items():
+        if init == "magnitude":
+            layer = SparseLinear.from_dense(weight, sparsity=per_layer[name], bias=bias)
+        else:
+            out_features, in_features = weight.shape
+            layer = SparseLinear(
+                in_features, out_features, bias is not None, sparsity=per_layer[name], device=weight.device, dtype=weight.dtype
+            )
+        layer.train(module.training)
+        converted[name] = layer
+    if "" in converted:
+        return converted[""]
+    for name, layer in converted.items():
+        _replace(module, name, layer)
+    return module
+
+
+def densify(module: nn.Module) -> nn.Module:
+    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear``, in place.
+
+    Returns ``module``, or a new ``nn.Linear`` when ``module`` is itself a ``SparseLinear``.
+    """
+    converted = {}
+    for name, child in module.named_modules():
+        if isinstance(child, SparseLinear):
+            dense = nn.Linear(
+                child.in_features, child.out_features, child.bias is not None,
+                device=child.values.device, dtype=child.values.dtype,
+            )
+            with torch.no_grad():
+                dense.weight.copy_(child.to_dense())
+                if child.bias is not None:
+                    dense.bias.copy_(child.bias)
+            dense.train(child.training)
+            converted[name] = dense
+    if "" in converted:
+        return converted[""]
+    for name, layer in converted.items():
+        _replace(module, name, layer)
+    return module

@@ -1,0 +1,297 @@
+"""The sparse format: sorted, unique COO coordinates of an ``out × in`` matrix.
+
+A sparse weight is three flat tensors of length ``nnz``:
+
+* ``row``, ``col`` — int32 coordinates, sorted by ``(row, col)``, no duplicates;
+* ``values`` — the weights, owned by the layer as an ``nn.Parameter``.
+
+:class:`Topology` wraps ``(row, col, shape)`` and derives, lazily and once per topology,
+what the kernels need:
+
+* ``rowptr``   ``(out + 1,)`` int32 — CSR row pointer: row ``r`` is ``[rowptr[r], rowptr[r+1])``;
+* ``csc_perm`` ``(nnz,)``     int32 — positions of the non-zeros in column-major order, so that
+  ``col[csc_perm]`` is sorted (the transposed SpMM walks the matrix by column without atomics);
+* ``colptr``   ``(in + 1,)``  int32 — column pointer into ``csc_perm``.
+
+A topology is immutable: changing the connections means building a new one, which is how
+every cache gets cleared.
+
+Nothing in this module allocates a tensor with ``out × in`` elements, except
+:func:`coo_from_dense`, whose input already is one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+INDEX_DTYPE = torch.int32
+# int32 coordinates and pointers: nnz and each dimension must stay below 2**31.
+MAX_INDEX = 2**31 - 1
+
+__all__ = [
+    "Topology",
+    "TopologyTensors",
+    "check_sparsity",
+    "coo_from_dense",
+    "random_coo",
+    "validate_coo",
+]
+
+
+class TopologyTensors(NamedTuple):
+    """The flat index tensors every sparse op receives (see module docstring for shapes)."""
+
+    row: Tensor
+    col: Tensor
+    rowptr: Tensor
+    colptr: Tensor
+    csc_perm: Tensor
+
+
+def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
+    """Return ``sparsity`` as a float, or raise if it is not a number in ``[0, 1)``."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {type(sparsity).__name__} {sparsity!r}")
+    if not (0.0 <= float(sparsity) < 1.0) or math.isnan(sparsity):
+        raise ValueError(f"{name} must be in [0, 1), got {sparsity!r}")
+    return float(sparsity)
+
+
+def check_shape(out_features: int, in_features: int) -> None:
+    for name, size in (("out_features", out_features), ("in_features", in_features)):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"{name} must be an int, got {type(size).__name__} {size!r}")
+        if not 0 < size <= MAX_INDEX:
+            raise ValueError(f"{name} must be in [1, {MAX_INDEX}], got {size}")
+
+
+def nnz_for_sparsity(out_features: int, in_features: int, sparsity: float) -> int:
+    """Number of connections that a ``sparsity`` fraction of zeros leaves (at least 1)."""
+    total = out_features * in_features
+    return max(1, min(total, round((1.0 - sparsity) * total)))
+
+
+def validate_coo(row: Tensor, col: Tensor, shape: tuple[int, int], *, require_sorted: bool = True) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``row``/``col`` are valid unique coordinates.
+
+    Args:
+        row, col: ``(nnz,)`` integer tensors on the same device.
+        shape: ``(out_features, in_features)``.
+        require_sorted: also require the ``(row, col)`` order the format uses.
+    """
+    out_features, in_features = shape
+    check_shape(out_features, in_features)
+    for name, t in (("row", row), ("col", col)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must be 1-D of shape (nnz,), got shape {tuple(t.shape)}")
+    if row.numel() != col.numel():
+        raise ValueError(f"row and col must have the same length, got {row.numel()} and {col.numel()}")
+    if row.device != col.device:
+        raise ValueError(f"row and col must be on the same device, got {row.device} and {col.device}")
+    if row.numel() > MAX_INDEX:
+        raise ValueError(f"nnz must be at most {MAX_INDEX}, got {row.numel()}")
+    if row.numel() == 0:
+        return
+    for name, t, size in (("row", row, out_features), ("col", col, in_features)):
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} index {bad} is out of range for size {size} (expected 0 <= {name} < {size})")
+    key = row.to(torch.int64) * in_features + col.to(torch.int64)
+    if not require_sorted:
+        key = key.sort().values
+    step = key[1:] - key[:-1]
+    if bool((step == 0).any()):
+        k = int((step == 0).nonzero()[0])
+        raise ValueError(f"duplicate coordinate (row={int(row[k])}, col={int(col[k])}) at positions {k} and {k + 1}")
+    if bool((step < 0).any()):
+        k = int((step < 0).nonzero()[0])
+        raise ValueError(
+            f"coordinates must be sorted by (row, col); position {k + 1} "
+            f"({int(row[k + 1])}, {int(col[k + 1])}) comes after ({int(row[k])}, {int(col[k])})"
+        )
+
+
+def sort_coo(row: Tensor, col: Tensor, in_features: int, *extra: Tensor) -> tuple[Tensor, ...]:
+    """Sort coordinates by ``(row, col)``; ``extra`` tensors of length nnz are permuted alike."""
+    key = row.to(torch.int64) * in_features + col.to(torch.int64)
+    order = torch.argsort(key)
+    return (row[order].to(INDEX_DTYPE), col[order].to(INDEX_DTYPE), *(t[order] for t in extra))
+
+
+def _linear_to_coo(linear: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
+    return (linear // in_features).to(INDEX_DTYPE), (linear % in_features).to(INDEX_DTYPE)
+
+
+def _sample_distinct(total: int, k: int, generator: torch.Generator | None, device) -> Tensor:
+    """``k`` distinct integers drawn uniformly from ``[0, total)``, sorted; O(k) memory.
+
+    Draws with replacement, de-duplicates, repeats until ``k`` distinct values exist, then keeps
+    a uniformly random ``k``-subset. The set of distinct draws is exchangeable over
+    ``[0, total)``, so the result is a uniform ``k``-subset. Meant for ``k <= total / 2``, where
+    each round loses at most half of its draws to collisions.
+    """
+    found = torch.empty(0, dtype=torch.int64, device=device)
+    while found.numel() < k:
+        missing = k - found.numel()
+        draw = torch.randint(0, total, (missing + missing // 8 + 16,), generator=generator, device=device)
+        found = torch.unique(torch.cat([found, draw]))
+    if found.numel() > k:
+        keep = torch.randperm(found.numel(), generator=generator, device=device)[:k]
+        found = found[keep].sort().values
+    return found
+
+
+# Elements per block when enumerating positions of a dense-ish layer (sparsity < 0.5).
+_BLOCK_ELEMENTS = 1 << 20
+
+
+def random_coo(
+    out_features: int,
+    in_features: int,
+    sparsity: float,
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Uniformly random sorted coordinates with ``round((1 - sparsity) · out · in)`` non-zeros.
+
+    Every set of that many positions is equally likely. Memory is O(nnz): at high sparsity the
+    positions are sampled directly; below 50% sparsity the *excluded* positions are sampled and
+    the kept ones enumerated in blocks of about a million elements, never the whole matrix.
+
+    Returns:
+        ``(row, col)``, each ``(nnz,)`` int32.
+    """
+    check_shape(out_features, in_features)
+    sparsity = check_sparsity(sparsity)
+    total = out_features * in_features
+    k = nnz_for_sparsity(out_features, in_features, sparsity)
+    if k <= total // 2:
+        return _linear_to_coo(_sample_distinct(total, k, generator, device), in_features)
+
+    excluded = _sample_distinct(total, total - k, generator, device)
+    rows_per_block = max(1, _BLOCK_ELEMENTS // in_features)
+    parts = []
+    for first_row in range(0, out_features, rows_per_block):
+        start = first_row * in_features
+        stop = min(out_features, first_row + rows_per_block) * in_features
+        lo, hi = torch.searchsorted(excluded, torch.tensor([start, stop], device=excluded.device)).tolist()
+        keep = torch.ones(stop - start, dtype=torch.bool, device=device)
+        keep[excluded[lo:hi] - start] = False
+        parts.append(keep.nonzero().squeeze(1) + start)
+    return _linear_to_coo(torch.cat(parts), in_features)
+
+
+def coo_from_dense(weight: Tensor, sparsity: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Sparse coordinates and values of a dense ``(out, in)`` weight.
+
+    Args:
+        weight: ``(out_features, in_features)`` floating tensor.
+        sparsity: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
+            ``round((1 - sparsity) · out · in)`` entries of largest magnitude (ties broken by
+            position, deterministically).
+
+    Returns:
+        ``(row, col, values)``; ``values`` is a detached copy in ``weight``'s dtype.
+    """
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be a 2-D tensor of shape (out_features, in_features), got {shape}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    out_features, in_features = weight.shape
+    check_shape(out_features, in_features)
+    flat = weight.detach().reshape(-1)
+    if sparsity is None:
+        linear = flat.nonzero().squeeze(1)
+    else:
+        sparsity = check_sparsity(sparsity)
+        k = nnz_for_sparsity(out_features, in_features, sparsity)
+        # stable sort: among equal magnitudes the earlier position wins, so the result is reproducible
+        linear = torch.sort(flat.abs(), descending=True, stable=True).indices[:k].sort().values
+    row, col = _linear_to_coo(linear, in_features)
+    return row, col, flat[linear].clone()
+
+
+class Topology:
+    """Immutable sorted-COO coordinates of an ``out × in`` matrix with lazily derived data.
+
+    Args:
+        row, col: ``(nnz,)`` int32 coordinates sorted by ``(row, col)``, unique.
+        shape: ``(out_features, in_features)``.
+        validate: check the coordinates (one pass over them); pass ``False`` only for
+            coordinates produced by this module.
+    """
+
+    __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr")
+
+    def __init__(self, row: Tensor, col: Tensor, shape: tuple[int, int], *, validate: bool = True):
+        shape = (int(shape[0]), int(shape[1]))
+        if validate:
+            validate_coo(row, col, shape)
+        self.row = row.to(INDEX_DTYPE)
+        self.col = col.to(INDEX_DTYPE)
+        self.shape = shape
+        self._rowptr: Tensor | None = None
+        self._csc_perm: Tensor | None = None
+        self._colptr: Tensor | None = None
+
+    @property
+    def nnz(self) -> int:
+        return self.row.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.row.device
+
+    @property
+    def rowptr(self) -> Tensor:
+        """``(out + 1,)`` int32 CSR row pointer (computed on first use)."""
+        if self._rowptr is None:
+            self._rowptr = _pointer(self.row, self.shape[0])
+        return self._rowptr
+
+    @property
+    def csc_perm(self) -> Tensor:
+        """``(nnz,)`` int32 permutation into column-major order (computed on first use)."""
+        if self._csc_perm is None:
+            # row-major order is already sorted by row, so a stable sort by column yields (col, row) order
+            self._csc_perm = torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE)
+        return self._csc_perm
+
+    @property
+    def colptr(self) -> Tensor:
+        """``(in + 1,)`` int32 column pointer into :attr:`csc_perm` (computed on first use)."""
+        if self._colptr is None:
+            self._colptr = _pointer(self.col, self.shape[1])
+        return self._colptr
+
+    def tensors(self) -> TopologyTensors:
+        """All index tensors the sparse ops take, deriving the missing ones."""
+        return TopologyTensors(self.row, self.col, self.rowptr, self.colptr, self.csc_perm)
+
+    def to(self, device: torch.device | str) -> Topology:
+        """The same coordinates on ``device`` (derived data is recomputed there on demand)."""
+        return Topology(self.row.to(device), self.col.to(device), self.shape, validate=False)
+
+    def __repr__(self) -> str:
+        out_features, in_features = self.shape
+        density = self.nnz / (out_features * in_features)
+        return f"Topology(shape={self.shape}, nnz={self.nnz}, density={density:.4g}, device={self.device})"
+
+
+def _pointer(index: Tensor, size: int) -> Tensor:
+    """Pointer array ``(size + 1,)``: segment ``i`` of the entries whose ``index`` equals ``i``."""
+    counts = torch.bincount(index, minlength=size)
+    ptr = torch.zeros(size + 1, dtype=INDEX_DTYPE, device=index.device)
+    ptr[1:] = counts.cumsum(0)
+    return ptr
