@@ -40,7 +40,9 @@ def _segmented_sum(value_a, start_a, value_b, start_b):
     return tl.where(start_b != 0, value_b, value_a + value_b), start_a | start_b
 
 
-@triton.jit
+# Sizes are not specialised on (they only bound loops and masks): a new batch size or matrix must
+# not trigger a new compilation. Strides are, so a unit stride is known at compile time.
+@triton.jit(do_not_specialize=["nnz", "batch", "n_out"])
 def segment_spmm_kernel(
     a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
     values_ptr,  # (nnz,)
@@ -85,7 +87,7 @@ def segment_spmm_kernel(
         b += tl.num_programs(1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])
 def pointer_spmm_kernel(
     a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
     values_ptr,  # (nnz,)
@@ -132,7 +134,7 @@ def pointer_spmm_kernel(
     tl.store(y_addr, y.to(y_ptr.dtype.element_ty), mask=mask_b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nnz", "batch"])
 def sddmm_kernel(
     dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
     x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
