@@ -1,0 +1,183 @@
+"""Kernel-level SpMM comparison on a GPU, plus a training-step comparison of the layer.
+
+``python -m snack.backends.triton.kernel_bench --out results.json`` times, for a 4096 × 4096
+weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096)``):
+
+* ``segment`` / ``pointer`` — the two forms of snack's Triton SpMM (see :mod:`.backend`);
+* ``snack_op`` — ``torch.ops.snack.spmm`` as a layer calls it (heuristic form + dispatcher);
+* ``dense_mask`` — Dense+Mask: ``X · (W ⊙ M)ᵀ`` with the mask applied every call, as a masked layer does;
+* ``csr`` — ``torch.sparse.mm`` on a CSR weight (cuSPARSE), with ``Xᵀ`` prepared outside the timing;
+* ``dense`` — ``X · Wᵀ`` with the dense weight (cuBLAS), the speed of light of not being sparse.
+
+and, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
+bias) of ``SparseLinear`` against ``nn.Linear``. Times are medians of
+``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
+result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
+activations once at the measured device-to-device copy bandwidth: how far a kernel is from its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import warnings
+
+import torch
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m snack.backends.triton.kernel_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--size", default="4096x4096", help="OUTxIN of the weight (default 4096x4096)")
+    parser.add_argument("--sparsity", type=float, default=0.95, help="SpMM sparsity (default 0.95)")
+    parser.add_argument("--train-sparsity", type=float, default=0.9, help="training-step sparsity (default 0.9)")
+    parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    return parser.parse_args(argv)
+
+
+def _us(fn) -> float:
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def _copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of 256 MiB)."""
+    src = torch.empty(64 * 2**20, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def _spmm_rows(args, device, dtype, bandwidth):
+    from snack.backends.triton import backend as tb
+    from snack.topology import Topology, random_coo
+
+    out_features, in_features = map(int, args.size.lower().split("x"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    row, col = random_coo(out_features, in_features, args.sparsity, generator=gen, device=device)
+    topo = Topology(row, col, (out_features, in_features), validate=False)
+    tensors = topo.tensors()
+    values = torch.randn(topo.nnz, device=device, dtype=dtype, generator=gen)
+    weight = torch.zeros(out_features, in_features, device=device, dtype=dtype)
+    weight[row.long(), col.long()] = values
+    mask = (weight != 0).to(dtype)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = weight.to_sparse_csr()
+    rows = []
+    for batch in args.batch:
+        x = torch.randn(batch, in_features, device=device, dtype=dtype, generator=gen)
+        xt = x.t().contiguous()
+        fns = {
+            "segment": lambda: tb.spmm(x, values, tensors, form="segment"),
+            "pointer": lambda: tb.spmm(x, values, tensors, form="pointer"),
+            "snack_op": lambda: torch.ops.snack.spmm(x, values, *tensors),
+            "dense_mask": lambda: x @ (weight * mask).t(),
+            "csr": lambda: torch.sparse.mm(csr, xt),
+            "dense": lambda: x @ weight.t(),
+        }
+        expected = (x.double() @ weight.double().t()).to(torch.float32)
+        scale = expected.abs().max().item()
+        errors = {}
+        for name in ("segment", "pointer", "snack_op"):
+            errors[name] = (fns[name]().float() - expected).abs().max().item() / scale
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            if errors[name] > tol:
+                raise AssertionError(f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}")
+        times = {name: _us(fn) for name, fn in fns.items()}
+        moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
+        rows.append(
+            {
+                "batch": batch,
+                "heuristic_form": tb.spmm_form(batch),
+                "us": times,
+                "bw_limit_us": moved / bandwidth * 1e6,
+                "rel_error": errors,
+            }
+        )
+    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}
+
+
+def _train_rows(args, device, dtype):
+    import snack
+
+    out_features, in_features = map(int, args.size.lower().split("x"))
+    torch.manual_seed(0)
+    sparse = snack.SparseLinear(in_features, out_features, sparsity=args.train_sparsity, device=device, dtype=dtype)
+    dense = torch.nn.Linear(in_features, out_features, device=device, dtype=dtype)
+    rows = []
+    for batch in args.batch:
+        x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(batch, out_features, device=device, dtype=dtype)
+
+        def step(layer):
+            def run():
+                layer(x).backward(grad)
+
+            return run
+
+        times = {"snack": _us(step(sparse)), "dense": _us(step(dense))}
+        rows.append({"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]})
+    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows}
+
+
+def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
+    """All measurements as one JSON-ready dict (see module docstring)."""
+    import triton
+
+    dtype = _DTYPES[args.dtype]
+    bandwidth = _copy_bandwidth(device)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "spmm": _spmm_rows(args, device, dtype, bandwidth),
+        "train": _train_rows(args, device, dtype),
+    }
+
+
+def print_tables(result: dict) -> None:
+    spmm = result["spmm"]
+    print(f"\nSpMM {spmm['size']} at sparsity {spmm['sparsity']} ({result['dtype']}), median µs; ratios = baseline / best snack form")
+    head = f"{'B':>3} {'form':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS)
+    print(head + f" {'limit':>7} {'mask/sn':>8} {'csr/sn':>7} {'dense/sn':>8}")
+    for row in spmm["rows"]:
+        t = row["us"]
+        best = min(t["segment"], t["pointer"])
+        cells = " ".join(f"{t[v]:10.1f}" for v in SPMM_VARIANTS)
+        print(
+            f"{row['batch']:>3} {row['heuristic_form']:>8} {cells} {row['bw_limit_us']:7.1f} "
+            f"{t['dense_mask'] / best:8.2f} {t['csr'] / best:7.2f} {t['dense'] / best:8.2f}"
+        )
+    train = result["train"]
+    print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs")
+    print(f"{'B':>3} {'snack':>10} {'nn.Linear':>10} {'speedup':>8}")
+    for row in train["rows"]:
+        print(f"{row['batch']:>3} {row['us']['snack']:10.1f} {row['us']['dense']:10.1f} {row['speedup_vs_dense']:8.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = benchmark(args, torch.device("cuda"))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print_tables(result)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
