@@ -10,6 +10,7 @@ rather than the autotuned ones.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -195,3 +196,4 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     kernel_bench.print_tables(result)
     assert "Training step" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["spmm"]["nnz"] == result["spmm"]["nnz"]

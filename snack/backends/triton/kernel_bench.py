@@ -9,7 +9,10 @@ weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096
 * ``csr`` — ``torch.sparse.mm`` on a CSR weight (cuSPARSE), with ``Xᵀ`` prepared outside the timing;
 * ``dense`` — ``X · Wᵀ`` with the dense weight (cuBLAS), the speed of light of not being sparse.
 
-and, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
+Each is timed twice: ``us``, eager calls as a program makes them (host launch overhead
+included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA graph (GPU time).
+
+And, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
 bias) of ``SparseLinear`` against ``nn.Linear``. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
 result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
@@ -48,6 +51,18 @@ def _us(fn) -> float:
     return 1000.0 * triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
 
 
+def _graph_us(fn) -> float | None:
+    """Median µs per call replayed from a CUDA graph: GPU time without host launch overhead.
+    ``None`` when ``fn`` cannot be captured."""
+    import triton.testing
+
+    try:
+        return 1000.0 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    except Exception as error:  # a library call that refuses capture: report, don't abort the run
+        print(f"  (CUDA graph capture failed: {type(error).__name__}: {error})", file=sys.stderr)
+        return None
+
+
 def _copy_bandwidth(device) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write of 256 MiB)."""
     src = torch.empty(64 * 2**20, device=device, dtype=torch.float32)
@@ -71,7 +86,7 @@ def _spmm_rows(args, device, dtype, bandwidth):
     with warnings.catch_warnings():  # "sparse CSR support is in beta"
         warnings.simplefilter("ignore", UserWarning)
         csr = weight.to_sparse_csr()
-    rows = []
+    rows, fns_by_batch = [], {}
     for batch in args.batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, generator=gen)
         xt = x.t().contiguous()
@@ -92,6 +107,7 @@ def _spmm_rows(args, device, dtype, bandwidth):
             if errors[name] > tol:
                 raise AssertionError(f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}")
         times = {name: _us(fn) for name, fn in fns.items()}
+        fns_by_batch[batch] = fns
         moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
         rows.append(
             {
@@ -102,7 +118,7 @@ def _spmm_rows(args, device, dtype, bandwidth):
                 "rel_error": errors,
             }
         )
-    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}
+    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, fns_by_batch
 
 
 def _train_rows(args, device, dtype):
@@ -129,21 +145,35 @@ def _train_rows(args, device, dtype):
 
 
 def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
-    """All measurements as one JSON-ready dict (see module docstring)."""
+    """All measurements as one dict (see module docstring), also written to ``args.out`` as JSON:
+    once before the CUDA-graph timings, which come last because a library call that breaks
+    capture could leave the device unusable."""
     import triton
 
     dtype = _DTYPES[args.dtype]
     bandwidth = _copy_bandwidth(device)
-    return {
+    spmm, fns_by_batch = _spmm_rows(args, device, dtype, bandwidth)
+    result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
         "dtype": args.dtype,
         "copy_bandwidth_GBps": bandwidth / 1e9,
-        "spmm": _spmm_rows(args, device, dtype, bandwidth),
+        "spmm": spmm,
         "train": _train_rows(args, device, dtype),
     }
+    _write_json(args.out, result)
+    if device.type == "cuda":
+        for row in spmm["rows"]:
+            row["graph_us"] = {name: _graph_us(fn) for name, fn in fns_by_batch[row["batch"]].items()}
+        _write_json(args.out, result)
+    return result
+
+
+def _write_json(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def print_tables(result: dict) -> None:
@@ -159,6 +189,17 @@ def print_tables(result: dict) -> None:
             f"{row['batch']:>3} {row['heuristic_form']:>8} {cells} {row['bw_limit_us']:7.1f} "
             f"{t['dense_mask'] / best:8.2f} {t['csr'] / best:7.2f} {t['dense'] / best:8.2f}"
         )
+    print("\nSame, replayed from a CUDA graph (GPU time, no launch overhead; '-' = not capturable)")
+    print(f"{'B':>3} {'':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS) + f" {'mask/sn':>8} {'csr/sn':>7}")
+    for row in spmm["rows"]:
+        g = row.get("graph_us", {})
+        cells = " ".join(f"{g[v]:10.1f}" if g.get(v) is not None else f"{'-':>10}" for v in SPMM_VARIANTS)
+        snack_times = [g[v] for v in ("segment", "pointer") if g.get(v) is not None]
+        ratios = [
+            f"{g[v] / min(snack_times):{w}.2f}" if snack_times and g.get(v) is not None else f"{'-':>{w}}"
+            for v, w in (("dense_mask", 8), ("csr", 7))
+        ]
+        print(f"{row['batch']:>3} {'':>8} {cells} {' '.join(ratios)}")
     train = result["train"]
     print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs")
     print(f"{'B':>3} {'snack':>10} {'nn.Linear':>10} {'speedup':>8}")
@@ -172,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     result = benchmark(args, torch.device("cuda"))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
     print_tables(result)
     print(f"\nwrote {args.out}")
     return 0
