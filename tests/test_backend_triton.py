@@ -66,8 +66,9 @@ def _topology(case: str) -> Topology:
     return Topology(row, col, (out_features, in_features))
 
 
-# (topology, batch): sizes that are not multiples of any block, batch 1, a batch over several tiles
-CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty_rows", 2), ("nnz0", 3)]
+# (topology, batch): sizes that are not multiples of any block, batch 1, a batch over several
+# tiles, long and empty rows, no non-zeros, an empty batch
+CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty_rows", 2), ("nnz0", 3), ("33x17", 0)]
 
 
 @pytest.fixture(params=["fixed", "small"])
@@ -189,6 +190,7 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
         return 1.0
 
     monkeypatch.setattr(kernel_bench, "_us", call_once)
+    monkeypatch.setattr(kernel_bench, "_graph_us", call_once)
     args = kernel_bench.parse_args(["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5"])
     result = kernel_bench.benchmark(args, torch.device(DEVICE))
     assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 5]

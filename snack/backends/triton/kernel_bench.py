@@ -121,6 +121,25 @@ def _spmm_rows(args, device, dtype, bandwidth):
     return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, fns_by_batch
 
 
+def _check_step(layer, x, grad, dtype) -> None:
+    """Gradients of a Triton-backend step against the reference backend; raises on a mismatch."""
+    import snack
+
+    results = {}
+    for backend in ("triton", "reference"):
+        layer.zero_grad()
+        xi = x.detach().clone().requires_grad_()
+        with snack.use_backend(backend):
+            layer(xi).backward(grad)
+        results[backend] = (xi.grad.float(), layer.values.grad.float())
+    layer.zero_grad()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, got, expected in zip(("dX", "dvalues"), results["triton"], results["reference"]):
+        error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+        if error > tol:
+            raise AssertionError(f"training step {name} at batch {x.shape[0]}: relative error {error:.2e} > {tol}")
+
+
 def _train_rows(args, device, dtype):
     import snack
 
@@ -132,6 +151,7 @@ def _train_rows(args, device, dtype):
     for batch in args.batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(batch, out_features, device=device, dtype=dtype)
+        _check_step(sparse, x, grad, dtype)
 
         def step(layer):
             def run():
@@ -150,6 +170,8 @@ def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
     capture could leave the device unusable."""
     import triton
 
+    from snack.backends import default_backend_name
+
     dtype = _DTYPES[args.dtype]
     bandwidth = _copy_bandwidth(device)
     spmm, fns_by_batch = _spmm_rows(args, device, dtype, bandwidth)
@@ -160,6 +182,8 @@ def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
         "python": platform.python_version(),
         "dtype": args.dtype,
         "copy_bandwidth_GBps": bandwidth / 1e9,
+        # what the layers and snack_op ran on (a Triton that fails to load falls back, with a warning)
+        "default_backend": default_backend_name(device.type),
         "spmm": spmm,
         "train": _train_rows(args, device, dtype),
     }
@@ -178,6 +202,7 @@ def _write_json(path: str, result: dict) -> None:
 
 def print_tables(result: dict) -> None:
     spmm = result["spmm"]
+    print(f"device {result['device']}, layers on backend {result['default_backend']!r}")
     print(f"\nSpMM {spmm['size']} at sparsity {spmm['sparsity']} ({result['dtype']}), median µs; ratios = baseline / best snack form")
     head = f"{'B':>3} {'form':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS)
     print(head + f" {'limit':>7} {'mask/sn':>8} {'csr/sn':>7} {'dense/sn':>8}")
