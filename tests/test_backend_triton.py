@@ -75,9 +75,9 @@ CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty_rows", 2), ("
 def blocks(request, monkeypatch):
     """``fixed``: the shipped configs. ``small``: tiny blocks and batch tiles, so small shapes span
     several non-zero blocks, loop iterations and batch tiles, and the segment kernel's batch loop
-    takes more than one step (its grid capped at 2)."""
+    takes more than one step (two rows per program, and its grid capped at 2)."""
     if request.param == "small":
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "num_warps": 4})
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
         monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
         monkeypatch.setitem(tb.FIXED_CONFIGS, "sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)

@@ -53,7 +53,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Used when not autotuning. Tests shrink them to cross block boundaries on small shapes.
 FIXED_CONFIGS: dict[str, dict[str, int]] = {
-    "segment_spmm": {"BLOCK_NNZ": 128, "num_warps": 4},
+    "segment_spmm": {"BLOCK_NNZ": 128, "ROWS_PER_PROGRAM": 1, "num_warps": 4},
     "pointer_spmm": {"BLOCK_K": 64, "num_warps": 4},
     "sddmm": {"BLOCK_K": 64, "num_warps": 4},
 }
@@ -81,11 +81,16 @@ def _autotuned(kernel, configs, key, **options):
     return triton.autotune(configs, key=key, do_bench=bench, **options)(kernel)
 
 
-_SEGMENT_CONFIGS = [triton.Config({"BLOCK_NNZ": n}, num_warps=4) for n in (128, 256, 512)]
+_SEGMENT_CONFIGS = [
+    triton.Config({"BLOCK_NNZ": n, "ROWS_PER_PROGRAM": r}, num_warps=4) for n in (128, 256, 512) for r in (1, 4)
+]
 _TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k, w in ((32, 4), (64, 4), (128, 8))]
 _TUNED = {
-    # The segment kernel accumulates into its output: every trial must start from zeros.
-    "segment_spmm": _autotuned(kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["HAS_PERM"], reset_to_zero=["y_ptr"]),
+    # The segment kernel accumulates into its output: every trial must start from zeros. Its batch
+    # (at most SEGMENT_MAX_BATCH values by default) is in the key: rows per program depend on it.
+    "segment_spmm": _autotuned(
+        kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["HAS_PERM", "batch"], reset_to_zero=["y_ptr"]
+    ),
     "pointer_spmm": _autotuned(kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["HAS_PERM", "BLOCK_B"]),
     "sddmm": _autotuned(kernels.sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B"]),
 }
@@ -126,7 +131,10 @@ def _segment_spmm(a: Tensor, values: Tensor, seg_ptr, seg_index, gather_index, p
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
     y = torch.zeros(batch, n_out, device=a.device, dtype=torch.float32)
     if nnz > 0 and batch > 0:
-        grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_NNZ"]), min(batch, _MAX_GRID_1))  # noqa: E731
+        grid = lambda meta: (  # noqa: E731
+            triton.cdiv(nnz, meta["BLOCK_NNZ"]),
+            min(triton.cdiv(batch, meta["ROWS_PER_PROGRAM"]), _MAX_GRID_1),
+        )
         _launch(
             "segment_spmm", grid,
             a, values, seg_ptr, seg_index, gather_index, perm, y, nnz, batch, n_out, a.stride(0), a.stride(1),

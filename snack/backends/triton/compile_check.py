@@ -46,7 +46,7 @@ def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dic
     from snack.backends.triton.backend import FIXED_CONFIGS
 
     t = _DTYPES[dtype]
-    config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k.startswith("BLOCK_")}
+    config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k != "num_warps"}
     if kernel_name == "segment_spmm":
         pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "seg_index_ptr": "i32",
                     "gather_index_ptr": "i32", "perm_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip

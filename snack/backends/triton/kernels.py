@@ -58,9 +58,13 @@ def segment_spmm_kernel(
     stride_ai,
     HAS_PERM: tl.constexpr,
     BLOCK_NNZ: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,  # read by the host's grid only: axis 1 = cdiv(B, ROWS_PER_PROGRAM)
 ):
     """``y[b, s] += Σ_{k in block, seg_k = s} values[k] · a[b, gather_k]`` for one block of
-    non-zeros (in segment order) and the batch rows ``program_id(1), + num_programs(1), ...``."""
+    non-zeros (in segment order) and the batch rows ``program_id(1), + num_programs(1), ...``.
+
+    With one batch row per program the indices of a block are re-read (from L2) once per row;
+    several rows per program read them once, at the cost of fewer programs."""
     lane = tl.arange(0, BLOCK_NNZ)
     offs = tl.program_id(0) * BLOCK_NNZ + lane
     mask = offs < nnz
