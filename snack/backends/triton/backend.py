@@ -4,25 +4,29 @@ Shapes follow :mod:`snack.backends`: ``x (B, in)``, ``dy (B, out)``, ``values (n
 are new tensors in the input dtype. All arithmetic is float32 (see :mod:`.kernels`).
 
 Which SpMM form runs (:func:`spmm_form`)
-    ``B <= SEGMENT_MAX_BATCH`` (16) → the *segment* (COO) form: ``cdiv(nnz, BLOCK_NNZ) × B``
-    programs, one atomic add per run of equal output index in a block. Its parallelism does not
-    depend on how the non-zeros spread over rows, which is what a small batch needs to fill the
-    GPU (the batch-to-SM mapping of the design we follow); its costs — the indices re-read once
-    per batch row and a float32 scratch output — grow with ``B``.
+    ``B <= SEGMENT_MAX_BATCH`` (16) → the *segment* (COO) form: ``cdiv(nnz, BLOCK_NNZ)`` programs
+    along the non-zeros times ``cdiv(B, ROWS_PER_PROGRAM)`` along the batch, one atomic add per
+    run of equal output index in a block. Its parallelism does not depend on how the non-zeros
+    spread over rows, which is what a small batch needs to fill the GPU (the batch-to-SM mapping
+    of the design we follow); its costs — the indices re-read per program along the batch, a
+    float32 scratch output, atomics — grow with ``B``.
     Larger ``B`` → the *pointer* (tiled) form: one program per (row, tile of ``BLOCK_B`` batch
     rows) reading the indices once per tile and writing each output once, without atomics.
     The transposed SpMM makes the same choice over columns (``colptr`` + ``csc_perm``).
-    The threshold is a first guess to be re-tuned with ``python -m snack.backends.triton.kernel_bench``.
+    The threshold is a first guess, to be re-tuned from ``python -m snack.backends.triton.kernel_bench``
+    (it times both forms at every batch).
 
 Layout
-    From ``B >= TRANSPOSE_MIN_BATCH`` the pointer form and the SDDMM read the dense operands
+    From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
     transposed, ``(n, B)``, so the ``BLOCK_B`` values of one non-zero are one coalesced load; the
-    copy costs ``B · n`` elements against the ``B · nnz`` gathered ones.
+    copy costs ``B · n`` elements against the ``B · nnz`` gathered ones. ``BLOCK_B`` is ``B``
+    rounded up to a power of two, at most ``MAX_BLOCK_B`` (64).
 
 Configs
-    On a GPU, ``triton.autotune`` picks the block sizes among a few configs (``_SEGMENT_CONFIGS``
-    etc.; few, so a first call costs seconds, not minutes). Under the interpreter
-    (``TRITON_INTERPRET=1``), or with ``SNACK_TRITON_AUTOTUNE=0``, the fixed
+    On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
+    seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
+    (key: batch, walk); pointer and SDDMM ``BLOCK_K`` ∈ {32, 64, 128} (key: ``BLOCK_B``, walk).
+    Under the interpreter (``TRITON_INTERPRET=1``), or with ``SNACK_TRITON_AUTOTUNE=0``, the fixed
     :data:`FIXED_CONFIGS` run instead (``@triton.autotune`` cannot run in the interpreter).
 """
 
@@ -137,7 +141,7 @@ def _segment_spmm(a: Tensor, values: Tensor, seg_ptr, seg_index, gather_index, p
         )
         _launch(
             "segment_spmm", grid,
-            a, values, seg_ptr, seg_index, gather_index, perm, y, nnz, batch, n_out, a.stride(0), a.stride(1),
+            a, values, seg_ptr, seg_index, gather_index, perm, y, nnz, batch, n_out, a.shape[1], 1,
             HAS_PERM=perm is not None,
         )  # fmt: skip
     return y.to(a.dtype)
