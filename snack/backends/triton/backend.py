@@ -157,7 +157,7 @@ def _pointer_spmm(a: Tensor, values: Tensor, seg_ptr, gather_index, perm, n_out:
         _launch(
             "pointer_spmm", grid,
             a_storage, values, seg_ptr, gather_index, perm, y, batch, stride_ab, stride_ai, y.stride(0), y.stride(1),
-            HAS_PERM=perm is not None, BLOCK_B=block_b,
+            HAS_PERM=perm is not None, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
         )  # fmt: skip
     return y
 

@@ -56,7 +56,7 @@ def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dic
         pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "gather_index_ptr": "i32",
                     "perm_ptr": "i32", "y_ptr": t}  # fmt: skip
         scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
-        constexprs = {"HAS_PERM": has_perm, "BLOCK_B": _BLOCK_B, **config}
+        constexprs = {"HAS_PERM": has_perm, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     else:
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
         scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]

@@ -91,6 +91,22 @@ def segment_spmm_kernel(
         b += tl.num_programs(1)
 
 
+@triton.jit
+def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b, stride_ai,
+                   HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc[b, j] += a[b, gather[k_j]] · values[k_j] for the positions k0 + j < end of a segment.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < end
+    if HAS_PERM:
+        pos = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
+    else:
+        pos = offs_k
+    gather = tl.load(gather_index_ptr + pos, mask=mask_k, other=0).to(tl.int64)
+    value = tl.load(values_ptr + pos, mask=mask_k, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row_b[:, None] + gather[None, :] * stride_ai, mask=mask_b[:, None] & mask_k[None, :], other=0.0)
+    return acc + a.to(tl.float32) * value[None, :]
+
+
 @triton.jit(do_not_specialize=["batch"])
 def pointer_spmm_kernel(
     a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
@@ -105,11 +121,17 @@ def pointer_spmm_kernel(
     stride_yb,
     stride_ys,
     HAS_PERM: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """``y[b, s] = Σ_{p in segment s} values[k_p] · a[b, gather[k_p]]`` for segment
-    ``program_id(0)`` and the batch tile ``program_id(1)``; ``k_p = perm[p]`` if HAS_PERM else ``p``."""
+    ``program_id(0)`` and the batch tile ``program_id(1)``; ``k_p = perm[p]`` if HAS_PERM else ``p``.
+
+    ``WHILE_LOOP`` walks the segment with a while loop, for Triton 3.6's interpreter, which cannot
+    iterate ``range()`` over runtime bounds (its scalars are 1-element arrays that NumPy >= 2.4
+    refuses to convert to int). Compiled kernels keep the for loop, which Triton software-pipelines.
+    """
     seg = tl.program_id(0)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_b = offs_b < batch
@@ -118,21 +140,16 @@ def pointer_spmm_kernel(
     end = tl.load(seg_ptr_ptr + seg + 1)
     # A 2-D accumulator, reduced once after the loop, keeps the inner loop free of reductions.
     acc = tl.zeros((BLOCK_B, BLOCK_K), dtype=tl.float32)
-    for k0 in range(start, end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < end
-        if HAS_PERM:
-            pos = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
-        else:
-            pos = offs_k
-        gather = tl.load(gather_index_ptr + pos, mask=mask_k, other=0).to(tl.int64)
-        value = tl.load(values_ptr + pos, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.load(
-            a_ptr + row_b[:, None] + gather[None, :] * stride_ai,
-            mask=mask_b[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        acc += a.to(tl.float32) * value[None, :]
+    if WHILE_LOOP:
+        k0 = start
+        while k0 < end:
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
+                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in range(start, end, BLOCK_K):
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
+                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
     y = tl.sum(acc, axis=1)
     y_addr = y_ptr + offs_b.to(tl.int64) * stride_yb + seg.to(tl.int64) * stride_ys
     tl.store(y_addr, y.to(y_ptr.dtype.element_ty), mask=mask_b)
@@ -160,13 +177,17 @@ def sddmm_kernel(
     dy_col = tl.load(row_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_dr
     x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
     acc = tl.zeros((BLOCK_B, BLOCK_K), dtype=tl.float32)
-    for b0 in range(0, batch, BLOCK_B):
+    # A while loop: Triton 3.6's interpreter cannot run range() over a runtime argument (see
+    # pointer_spmm_kernel); a batch of at most a few tiles gains nothing from pipelining.
+    b0 = 0
+    while b0 < batch:
         offs_b = b0 + tl.arange(0, BLOCK_B)
         mask = (offs_b < batch)[:, None] & mask_k[None, :]
         b64 = offs_b.to(tl.int64)[:, None]
         dy = tl.load(dy_ptr + b64 * stride_db + dy_col[None, :], mask=mask, other=0.0)
         x = tl.load(x_ptr + b64 * stride_xb + x_col[None, :], mask=mask, other=0.0)
         acc += dy.to(tl.float32) * x.to(tl.float32)
+        b0 += BLOCK_B
     out = tl.sum(acc, axis=0)
     tl.store(out_ptr + offs_k, out.to(out_ptr.dtype.element_ty), mask=mask_k)
 
