@@ -45,7 +45,10 @@ log "writing results to $OUTDIR"
 import platform, subprocess, torch, triton
 print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda, "| triton", triton.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
-print(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+try:
+    print(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+except OSError as error:
+    print("nvidia-smi:", error)
 PYEOF
 head -2 "$OUTDIR/env.txt"
 

@@ -154,6 +154,8 @@ def _pointer_spmm(a: Tensor, values: Tensor, seg_ptr, gather_index, perm, n_out:
         block_b = _block_b(batch)
         a_storage, stride_ab, stride_ai = _batch_contiguous(a)
         grid = (n_out, triton.cdiv(batch, block_b))
+        if grid[1] > _MAX_GRID_1:
+            raise ValueError(f"snack triton backend: batch {batch} exceeds {_MAX_GRID_1 * block_b} rows per call")
         _launch(
             "pointer_spmm", grid,
             a_storage, values, seg_ptr, gather_index, perm, y, batch, stride_ab, stride_ai, y.stride(0), y.stride(1),

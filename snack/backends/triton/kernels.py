@@ -7,7 +7,7 @@ output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` fo
 accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
-  batch row). Non-zeros are sorted by segment, so inside a block equal segments are contiguous;
+  batch row — or a few rows, ``ROWS_PER_PROGRAM``). Non-zeros are sorted by segment, so inside a block equal segments are contiguous;
   a segmented prefix sum reduces each run and only the last element of a run issues an atomic
   add. Atomics per block = runs in the block, not non-zeros.
 * :func:`pointer_spmm_kernel` — the tiled form: one program per (segment, batch tile), walking
