@@ -81,7 +81,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
         monkeypatch.setitem(tb.FIXED_CONFIGS, "sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
-        monkeypatch.setattr(tb, "_MAX_GRID_1", 2)
+        monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
     return request.param
 
 

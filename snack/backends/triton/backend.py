@@ -53,6 +53,7 @@ TRANSPOSE_MIN_BATCH = 4
 MAX_BLOCK_B = 64
 # CUDA caps grid axis 1 at 65535; the segment kernel strides over the rest of the batch.
 _MAX_GRID_1 = 65535
+_SEGMENT_MAX_GRID_1 = _MAX_GRID_1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Used when not autotuning. Tests shrink them to cross block boundaries on small shapes.
@@ -137,7 +138,7 @@ def _segment_spmm(a: Tensor, values: Tensor, seg_ptr, seg_index, gather_index, p
     if nnz > 0 and batch > 0:
         grid = lambda meta: (  # noqa: E731
             triton.cdiv(nnz, meta["BLOCK_NNZ"]),
-            min(triton.cdiv(batch, meta["ROWS_PER_PROGRAM"]), _MAX_GRID_1),
+            min(triton.cdiv(batch, meta["ROWS_PER_PROGRAM"]), _SEGMENT_MAX_GRID_1),
         )
         _launch(
             "segment_spmm", grid,
