@@ -53,7 +53,7 @@ TRANSPOSE_MIN_BATCH = 4
 MAX_BLOCK_B = 64
 # CUDA caps grid axis 1 at 65535; the segment kernel strides over the rest of the batch.
 _MAX_GRID_1 = 65535
-_SEGMENT_MAX_GRID_1 = _MAX_GRID_1
+_SEGMENT_MAX_GRID_1 = _MAX_GRID_1  # its own name so tests can shrink it
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Used when not autotuning. Tests shrink them to cross block boundaries on small shapes.

@@ -61,10 +61,17 @@ def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dic
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
         scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
         constexprs = {"BLOCK_B": _BLOCK_B, **config}
-    signature = {name: "*" + kind for name, kind in pointers.items()}
-    signature.update({name: "i32" for name in scalars})
-    signature.update({name: "constexpr" for name in constexprs})
-    return signature, constexprs
+    types = {name: "*" + kind for name, kind in pointers.items()}
+    types.update({name: "i32" for name in scalars})
+    types.update({name: "constexpr" for name in constexprs})
+    # in the kernel's argument order, which is how Triton matches types to arguments
+    return {name: types[name] for name in _arg_names(kernel_name)}, constexprs
+
+
+def _arg_names(kernel_name: str) -> list[str]:
+    from snack.backends.triton import kernels
+
+    return list(kernels.KERNELS[kernel_name].arg_names)
 
 
 def compile_kernel(variant: str, dtype: str, arch: int):
