@@ -19,8 +19,6 @@ import torch
 
 DEVICE = os.environ.get("SNACK_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE == "cpu":
-    if "snack.backends.triton.backend" in sys.modules and "TRITON_INTERPRET" not in os.environ:
-        raise RuntimeError("snack's Triton kernels were imported before TRITON_INTERPRET=1 was set; run this module first")
     # Left set for the rest of the session: interpreted kernels read it again at launch.
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -30,6 +28,8 @@ from snack.backends import reference  # noqa: E402
 from snack.backends.triton import backend as tb  # noqa: E402
 from snack.topology import Topology, random_coo  # noqa: E402
 
+if DEVICE == "cpu" and not tb.INTERPRETED:
+    raise RuntimeError("snack's Triton kernels were imported before TRITON_INTERPRET=1 was set; run this module first")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("SNACK_TEST_DEVICE=cuda but no CUDA device is available", allow_module_level=True)
 
@@ -42,16 +42,17 @@ TOL = {
 
 
 def _custom_topology() -> Topology:
-    """6 × 50 with empty rows 0 and 4, a full row 2 (every column: a long row), short rows 1, 3, 5."""
-    rows = [1, 1, 3, 5, 5, 5] + [2] * 50
-    cols = [3, 49, 0, 1, 2, 48] + list(range(50))
-    row, col = torch.tensor(rows), torch.tensor(cols)
-    order = torch.argsort(row * 50 + col)
-    return Topology(row[order].int(), col[order].int(), (6, 50))
+    """40 × 50: empty rows 0 and 4, a long row 2 (48 columns), a long column 7 (every non-empty row),
+    empty columns 9 and 10, and a few short rows."""
+    coords = {(2, c) for c in range(50) if c not in (9, 10)}
+    coords |= {(r, 7) for r in range(40) if r not in (0, 4)}
+    coords |= {(1, 3), (1, 49), (3, 0), (5, 1), (5, 2), (5, 48)}
+    row, col = torch.tensor(sorted(coords), dtype=torch.int32).unbind(1)
+    return Topology(row.contiguous(), col.contiguous(), (40, 50))
 
 
 def _topology(case: str) -> Topology:
-    if case == "long_and_empty_rows":
+    if case == "long_and_empty":
         return _custom_topology()
     if case == "nnz0":
         empty = torch.empty(0, dtype=torch.int32)
@@ -67,8 +68,8 @@ def _topology(case: str) -> Topology:
 
 
 # (topology, batch): sizes that are not multiples of any block, batch 1, a batch over several
-# tiles, long and empty rows, no non-zeros, an empty batch
-CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty_rows", 2), ("nnz0", 3), ("33x17", 0)]
+# tiles, long and empty rows and columns, no non-zeros, an empty batch
+CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty", 2), ("nnz0", 3), ("33x17", 0)]
 
 
 @pytest.fixture(params=["fixed", "small"])
