@@ -190,13 +190,25 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
         fn()
         return 1.0
 
+    graph_shapes = []
+
+    def graph_call_once(fn):
+        graph_shapes.append(tuple(fn().shape))
+        return 2.0
+
     monkeypatch.setattr(kernel_bench, "_us", call_once)
-    monkeypatch.setattr(kernel_bench, "_graph_us", call_once)
+    monkeypatch.setattr(kernel_bench, "_graph_us", graph_call_once)
     args = kernel_bench.parse_args(["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5"])
-    result = kernel_bench.benchmark(args, torch.device(DEVICE))
+    result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
     assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 5]
     assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
+    # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
+    n_spmm, n_step = len(kernel_bench.SPMM_VARIANTS), len(kernel_bench._STEP_OPS)
+    assert len(graph_shapes) == 2 * (n_spmm + n_step)
+    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
+    assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
+    assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]  # step at batch 1: spmm, spmm_t
     kernel_bench.print_tables(result)
     assert "Training step" in capsys.readouterr().out
-    assert json.loads((tmp_path / "r.json").read_text())["spmm"]["nnz"] == result["spmm"]["nnz"]
+    assert json.loads((tmp_path / "r.json").read_text())["train"]["rows"][1]["graph_us"]["sddmm"] == 2.0

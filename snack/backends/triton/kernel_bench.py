@@ -13,7 +13,8 @@ Each is timed twice: ``us``, eager calls as a program makes them (host launch ov
 included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA graph (GPU time).
 
 And, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
-bias) of ``SparseLinear`` against ``nn.Linear``. Times are medians of
+bias) of ``SparseLinear`` against ``nn.Linear``, and the three products of a step (SpMM, transposed
+SpMM, SDDMM against the three dense matmuls) one by one. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
 result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
 activations once at the measured device-to-device copy bandwidth: how far a kernel is from its limit.
@@ -31,6 +32,8 @@ import torch
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
+# the products of a training step: snack's three ops, then their dense counterparts
+_STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -70,6 +73,34 @@ def _copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / (_us(lambda: dst.copy_(src)) * 1e-6)
 
 
+def _spmm_fns(x, values, tensors, weight, mask, csr) -> dict:
+    """The SpMM variants for one input ``x (B, in)`` (a function, so that each closure keeps its own
+    ``x``: the CUDA-graph pass calls them after the loop over batches)."""
+    from snack.backends.triton import backend as tb
+
+    xt = x.t().contiguous()
+    return {
+        "segment": lambda: tb.spmm(x, values, tensors, form="segment"),
+        "pointer": lambda: tb.spmm(x, values, tensors, form="pointer"),
+        "snack_op": lambda: torch.ops.snack.spmm(x, values, *tensors),
+        "dense_mask": lambda: x @ (weight * mask).t(),
+        "csr": lambda: torch.sparse.mm(csr, xt),
+        "dense": lambda: x @ weight.t(),
+    }
+
+
+def _step_ops(x, grad, values, tensors, weight) -> dict:
+    """The three products of a training step, snack's and dense, for ``x (B, in)``, ``grad (B, out)``."""
+    return {
+        "spmm": lambda: torch.ops.snack.spmm(x, values, *tensors),
+        "spmm_t": lambda: torch.ops.snack.spmm_t(grad, values, *tensors),
+        "sddmm": lambda: torch.ops.snack.sddmm(grad, x, *tensors),
+        "dense_fwd": lambda: x @ weight.t(),
+        "dense_dx": lambda: grad @ weight,
+        "dense_dw": lambda: grad.t() @ x,
+    }
+
+
 def _spmm_rows(args, device, dtype, bandwidth):
     from snack.backends.triton import backend as tb
     from snack.topology import Topology, random_coo
@@ -86,18 +117,10 @@ def _spmm_rows(args, device, dtype, bandwidth):
     with warnings.catch_warnings():  # "sparse CSR support is in beta"
         warnings.simplefilter("ignore", UserWarning)
         csr = weight.to_sparse_csr()
-    rows, fns_by_batch = [], {}
+    rows, graph_jobs = [], []
     for batch in args.batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, generator=gen)
-        xt = x.t().contiguous()
-        fns = {
-            "segment": lambda: tb.spmm(x, values, tensors, form="segment"),
-            "pointer": lambda: tb.spmm(x, values, tensors, form="pointer"),
-            "snack_op": lambda: torch.ops.snack.spmm(x, values, *tensors),
-            "dense_mask": lambda: x @ (weight * mask).t(),
-            "csr": lambda: torch.sparse.mm(csr, xt),
-            "dense": lambda: x @ weight.t(),
-        }
+        fns = _spmm_fns(x, values, tensors, weight, mask, csr)
         expected = (x.double() @ weight.double().t()).to(torch.float32)
         scale = expected.abs().max().item()
         errors = {}
@@ -107,18 +130,17 @@ def _spmm_rows(args, device, dtype, bandwidth):
             if errors[name] > tol:
                 raise AssertionError(f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}")
         times = {name: _us(fn) for name, fn in fns.items()}
-        fns_by_batch[batch] = fns
         moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
-        rows.append(
-            {
-                "batch": batch,
-                "heuristic_form": tb.spmm_form(batch),
-                "us": times,
-                "bw_limit_us": moved / bandwidth * 1e6,
-                "rel_error": errors,
-            }
-        )
-    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, fns_by_batch
+        entry = {
+            "batch": batch,
+            "heuristic_form": tb.spmm_form(batch),
+            "us": times,
+            "bw_limit_us": moved / bandwidth * 1e6,
+            "rel_error": errors,
+        }
+        rows.append(entry)
+        graph_jobs.append((entry, fns))
+    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, graph_jobs
 
 
 def _check_step(layer, x, grad, dtype) -> None:
@@ -147,11 +169,14 @@ def _train_rows(args, device, dtype):
     torch.manual_seed(0)
     sparse = snack.SparseLinear(in_features, out_features, sparsity=args.train_sparsity, device=device, dtype=dtype)
     dense = torch.nn.Linear(in_features, out_features, device=device, dtype=dtype)
-    rows = []
+    values, tensors = sparse.values.detach(), sparse.topology.tensors()
+    weight = dense.weight.detach()
+    rows, graph_jobs = [], []
     for batch in args.batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(batch, out_features, device=device, dtype=dtype)
         _check_step(sparse, x, grad, dtype)
+        ops = _step_ops(x.detach(), grad, values, tensors, weight)
 
         def step(layer):
             def run():
@@ -160,21 +185,24 @@ def _train_rows(args, device, dtype):
             return run
 
         times = {"snack": _us(step(sparse)), "dense": _us(step(dense))}
-        rows.append({"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]})
-    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows}
+        entry = {"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]}
+        rows.append(entry)
+        graph_jobs.append((entry, ops))
+    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows}, graph_jobs
 
 
-def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
+def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | None = None) -> dict:
     """All measurements as one dict (see module docstring), also written to ``args.out`` as JSON:
-    once before the CUDA-graph timings, which come last because a library call that breaks
-    capture could leave the device unusable."""
+    once before the CUDA-graph timings (``graphs``, default on CUDA), which come last because a
+    library call that breaks capture could leave the device unusable."""
     import triton
 
     from snack.backends import default_backend_name
 
     dtype = _DTYPES[args.dtype]
     bandwidth = _copy_bandwidth(device)
-    spmm, fns_by_batch = _spmm_rows(args, device, dtype, bandwidth)
+    spmm, graph_jobs = _spmm_rows(args, device, dtype, bandwidth)
+    train, train_graph_jobs = _train_rows(args, device, dtype)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "torch": torch.__version__,
@@ -185,12 +213,12 @@ def benchmark(args: argparse.Namespace, device: torch.device) -> dict:
         # what the layers and snack_op ran on (a Triton that fails to load falls back, with a warning)
         "default_backend": default_backend_name(device.type),
         "spmm": spmm,
-        "train": _train_rows(args, device, dtype),
+        "train": train,
     }
     _write_json(args.out, result)
-    if device.type == "cuda":
-        for row in spmm["rows"]:
-            row["graph_us"] = {name: _graph_us(fn) for name, fn in fns_by_batch[row["batch"]].items()}
+    if device.type == "cuda" if graphs is None else graphs:
+        for entry, fns in graph_jobs + train_graph_jobs:
+            entry["graph_us"] = {name: _graph_us(fn) for name, fn in fns.items()}
         _write_json(args.out, result)
     return result
 
@@ -226,10 +254,21 @@ def print_tables(result: dict) -> None:
         ]
         print(f"{row['batch']:>3} {'':>8} {cells} {' '.join(ratios)}")
     train = result["train"]
-    print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs")
-    print(f"{'B':>3} {'snack':>10} {'nn.Linear':>10} {'speedup':>8}")
+    print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs:")
+    print("eager step of the layer, then its three products one by one from CUDA graphs")
+    print(f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} " + " ".join(f"{op:>9}" for op in _STEP_OPS) + " speedup")
     for row in train["rows"]:
-        print(f"{row['batch']:>3} {row['us']['snack']:10.1f} {row['us']['dense']:10.1f} {row['speedup_vs_dense']:8.2f}")
+        g = row.get("graph_us", {})
+        cells = " ".join(f"{g[op]:9.1f}" if g.get(op) is not None else f"{'-':>9}" for op in _STEP_OPS)
+        products = [g.get(op) for op in _STEP_OPS]
+        if None in products:
+            ops_speedup = "-"
+        else:
+            ops_speedup = f"{sum(products[3:]) / sum(products[:3]):.2f}"
+        print(
+            f"{row['batch']:>3} {row['us']['snack']:9.1f} {row['us']['dense']:9.1f} {row['speedup_vs_dense']:8.2f} "
+            f"{cells} {ops_speedup:>7}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
