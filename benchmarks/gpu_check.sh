@@ -21,7 +21,7 @@ OUTDIR="${OUT:-benchmarks/gpu}"
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_DEFAULT_FP_FUSION=1  # today's default; silences Triton 3.6's warning about it
+export TRITON_DEFAULT_FP_FUSION=1  # today's default; silences newer Tritons' warning about it
 unset TRITON_INTERPRET
 PY="${PYTHON:-python3}"
 START=$SECONDS
