@@ -8,7 +8,12 @@ import importlib
 import sys
 
 # subcommand -> (module, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "compile-check": (
+        "snack.backends.triton.compile_check",
+        "compile every Triton kernel ahead of time for the given GPU architectures (no GPU needed)",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

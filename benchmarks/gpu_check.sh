@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Correctness and benchmarks of snack's Triton backend on a GPU machine, in under 5 minutes,
+# installing nothing and needing no network (torch with CUDA, Triton and pytest present).
+#
+#   OUT=/path/to/results benchmarks/gpu_check.sh        # from anywhere; default OUT=benchmarks/gpu
+#
+# Writes 7 files into $OUT:
+#   env.txt              GPU, driver, torch / triton / python versions
+#   compile_check.txt    `snack compile-check --arch 80 --arch 90`
+#   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
+#   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer forms vs Dense+Mask,
+#   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90% (tables);
+#                        checks the autotuned kernels against dense results first
+#   layer_bench.txt      `snack bench --device cuda ...` output
+#   layer_bench.tar.gz   the files `snack bench` wrote
+# Every step runs (under its own time limit) even if an earlier one fails; the exit status is
+# non-zero if any failed, and the last line names them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR="${OUT:-benchmarks/gpu}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_DEFAULT_FP_FUSION=1  # today's default; silences newer Tritons' warning about it
+unset TRITON_INTERPRET
+PY="${PYTHON:-python3}"
+START=$SECONDS
+FAILED=()
+
+log() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
+
+# step NAME LIMIT_S LOGFILE COMMAND...: run with a time limit, tee to LOGFILE, record failure.
+step() {
+    local name=$1 limit=$2 logfile=$3
+    shift 3
+    log "$name (limit ${limit}s)"
+    if ! timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$logfile"; then
+        FAILED+=("$name")
+        log "$name FAILED"
+    fi
+}
+
+log "writing results to $OUTDIR"
+"$PY" - >"$OUTDIR/env.txt" 2>&1 <<'PYEOF' || FAILED+=("env")
+import platform, subprocess, torch, triton
+print("python", platform.python_version(), "| torch", torch.__version__, "cuda", torch.version.cuda, "| triton", triton.__version__)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE")
+try:
+    print(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+except OSError as error:
+    print("nvidia-smi:", error)
+PYEOF
+head -2 "$OUTDIR/env.txt"
+
+step compile-check 40 "$OUTDIR/compile_check.txt" \
+    "$PY" -m snack.cli compile-check --arch 80 --arch 90
+
+# Fixed configs (they include shrunken blocks that cross every block boundary); the autotuned
+# kernels are checked against dense results inside kernel_bench.
+step pytest 80 "$OUTDIR/pytest.txt" \
+    env SNACK_TEST_DEVICE=cuda SNACK_TRITON_AUTOTUNE=0 "$PY" -m pytest tests/test_backend_triton.py -q -p no:cacheprovider
+
+step kernel-bench 120 "$OUTDIR/kernel_bench.txt" \
+    "$PY" -m snack.backends.triton.kernel_bench --out "$OUTDIR/kernel_bench.json"
+
+# The layer benchmark gets what is left of the 5 minutes.
+LAYER_DIR="$(mktemp -d)"
+step layer-bench $((290 - (SECONDS - START) > 30 ? 290 - (SECONDS - START) : 30)) "$OUTDIR/layer_bench.txt" \
+    "$PY" -m snack.cli bench --device cuda --sizes 4096x4096 --sparsity 0.9 0.95 0.99 --batch 1 8 32 64 --out "$LAYER_DIR"
+tar czf "$OUTDIR/layer_bench.tar.gz" -C "$LAYER_DIR" . && rm -rf "$LAYER_DIR"
+
+log "done in $((SECONDS - START))s; results in $OUTDIR"
+if [ ${#FAILED[@]} -gt 0 ]; then
+    log "FAILED steps: ${FAILED[*]}"
+    exit 1
+fi
+log "all steps passed"

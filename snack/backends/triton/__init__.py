@@ -1,0 +1,36 @@
+"""The Triton backend: GPU kernels for the three sparse ops (:mod:`.kernels`) and their host
+wrappers (:mod:`.backend`), which run on CPU tensors too under ``TRITON_INTERPRET=1``.
+
+The ops are loaded on first access, so that importing this package (e.g. for
+``snack compile-check``'s argument parser, which every ``snack`` command builds) does not import
+Triton, and so that :func:`supports` can answer ``False`` where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+__all__ = ["sddmm", "spmm", "spmm_t", "supports"]
+
+_OPS = ("sddmm", "spmm", "spmm_t")
+
+
+def supports(device: torch.device) -> bool:
+    """CUDA devices, and CPU tensors when ``TRITON_INTERPRET=1`` was set before the kernels were
+    imported; never when Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return _backend().supports(device)
+
+
+def _backend():
+    return importlib.import_module("snack.backends.triton.backend")
+
+
+def __getattr__(name: str):
+    if name in _OPS:
+        return getattr(_backend(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

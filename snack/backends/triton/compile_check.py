@@ -1,0 +1,114 @@
+"""``snack compile-check``: compile every Triton kernel ahead of time for given GPU architectures,
+without a GPU (``triton.compile`` with a ``GPUTarget``), so a kernel that does not build for a
+target fails here and not on the first call on that GPU.
+
+Prints one line per kernel variant, dtype and architecture::
+
+    segment_spmm[spmm]     float32   sm_90  ok  14336 bytes
+
+and returns 1 if any fails (the error follows its line). Block sizes are the fixed configs of
+:mod:`snack.backends.triton.backend`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+# (variant name, kernel name, HAS_PERM) — the segment and pointer kernels serve spmm (row walk)
+# and spmm_t (column walk through csc_perm), two compilations each.
+_VARIANTS = [
+    ("segment_spmm[spmm]", "segment_spmm", False),
+    ("segment_spmm[spmm_t]", "segment_spmm", True),
+    ("pointer_spmm[spmm]", "pointer_spmm", False),
+    ("pointer_spmm[spmm_t]", "pointer_spmm", True),
+    ("sddmm", "sddmm", None),
+]
+_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
+_BLOCK_B = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--arch", type=int, action="append", metavar="SM",
+        help="CUDA compute capability to compile for, e.g. 80 (A100) or 90 (H100/H200); repeatable (default: 80 and 90)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", action="append", choices=sorted(_DTYPES),
+        help="value/activation dtype to compile for; repeatable (default: all three)",
+    )  # fmt: skip
+
+
+def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dict[str, str], dict[str, object]]:
+    """Argument types and constexpr values of one kernel variant, as ``ASTSource`` takes them."""
+    from snack.backends.triton.backend import FIXED_CONFIGS
+
+    t = _DTYPES[dtype]
+    config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k != "num_warps"}
+    if kernel_name == "segment_spmm":
+        pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "seg_index_ptr": "i32",
+                    "gather_index_ptr": "i32", "perm_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
+        scalars = ["nnz", "batch", "n_out", "stride_ab", "stride_ai"]
+        constexprs = {"HAS_PERM": has_perm, **config}
+    elif kernel_name == "pointer_spmm":
+        pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "gather_index_ptr": "i32",
+                    "perm_ptr": "i32", "y_ptr": t}  # fmt: skip
+        scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
+        constexprs = {"HAS_PERM": has_perm, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
+    else:
+        pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
+        scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
+        constexprs = {"BLOCK_B": _BLOCK_B, **config}
+    types = {name: "*" + kind for name, kind in pointers.items()}
+    types.update({name: "i32" for name in scalars})
+    types.update({name: "constexpr" for name in constexprs})
+    # in the kernel's argument order, which is how Triton matches types to arguments
+    return {name: types[name] for name in _arg_names(kernel_name)}, constexprs
+
+
+def _arg_names(kernel_name: str) -> list[str]:
+    from snack.backends.triton import kernels
+
+    return list(kernels.KERNELS[kernel_name].arg_names)
+
+
+def compile_kernel(variant: str, dtype: str, arch: int):
+    """Compile one kernel variant for ``sm_<arch>``; returns the ``CompiledKernel``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from snack.backends.triton import kernels
+    from snack.backends.triton.backend import FIXED_CONFIGS
+
+    _, kernel_name, has_perm = next(v for v in _VARIANTS if v[0] == variant)
+    fn = kernels.KERNELS[kernel_name]
+    signature, constexprs = _signature(kernel_name, dtype, has_perm)
+    options = {"num_warps": FIXED_CONFIGS[kernel_name]["num_warps"]}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("snack compile-check: unset TRITON_INTERPRET; the interpreter builds no GPU binaries")
+        return 1
+    archs = args.arch or [80, 90]
+    dtypes = args.dtype or list(_DTYPES)
+    failures = 0
+    for variant, _, _ in _VARIANTS:
+        for dtype in dtypes:
+            for arch in archs:
+                try:
+                    compiled = compile_kernel(variant, dtype, arch)
+                    size = len(compiled.asm["cubin"])
+                except Exception:  # report every failure, then exit non-zero
+                    failures += 1
+                    print(f"{variant:22s} {dtype:9s} sm_{arch}  FAILED", flush=True)
+                    print(traceback.format_exc(), flush=True)
+                    continue
+                print(f"{variant:22s} {dtype:9s} sm_{arch}  ok  {size} bytes", flush=True)
+    total = len(_VARIANTS) * len(dtypes) * len(archs)
+    print(f"{total - failures}/{total} kernels compiled")
+    return 1 if failures else 0

@@ -1,0 +1,286 @@
+"""Kernel-level SpMM comparison on a GPU, plus a training-step comparison of the layer.
+
+``python -m snack.backends.triton.kernel_bench --out results.json`` times, for a 4096 × 4096
+weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096)``):
+
+* ``segment`` / ``pointer`` — the two forms of snack's Triton SpMM (see :mod:`.backend`);
+* ``snack_op`` — ``torch.ops.snack.spmm`` as a layer calls it (heuristic form + dispatcher);
+* ``dense_mask`` — Dense+Mask: ``X · (W ⊙ M)ᵀ`` with the mask applied every call, as a masked layer does;
+* ``csr`` — ``torch.sparse.mm`` on a CSR weight (cuSPARSE), with ``Xᵀ`` prepared outside the timing;
+* ``dense`` — ``X · Wᵀ`` with the dense weight (cuBLAS), the speed of light of not being sparse.
+
+Each is timed twice: ``us``, eager calls as a program makes them (host launch overhead
+included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA graph (GPU time).
+
+And, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
+bias) of ``SparseLinear`` against ``nn.Linear``, and the three products of a step (SpMM, transposed
+SpMM, SDDMM against the three dense matmuls) one by one. Times are medians of
+``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
+result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
+activations once at the measured device-to-device copy bandwidth: how far a kernel is from its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import warnings
+
+import torch
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
+# the products of a training step: snack's three ops, then their dense counterparts
+_STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m snack.backends.triton.kernel_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--size", default="4096x4096", help="OUTxIN of the weight (default 4096x4096)")
+    parser.add_argument("--sparsity", type=float, default=0.95, help="SpMM sparsity (default 0.95)")
+    parser.add_argument("--train-sparsity", type=float, default=0.9, help="training-step sparsity (default 0.9)")
+    parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    return parser.parse_args(argv)
+
+
+def _us(fn) -> float:
+    import triton.testing
+
+    return 1000.0 * triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def _graph_us(fn) -> float | None:
+    """Median µs per call replayed from a CUDA graph: GPU time without host launch overhead.
+    ``None`` when ``fn`` cannot be captured."""
+    import triton.testing
+
+    try:
+        return 1000.0 * triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    except Exception as error:  # a library call that refuses capture: report, don't abort the run
+        print(f"  (CUDA graph capture failed: {type(error).__name__}: {error})", file=sys.stderr)
+        return None
+
+
+def _copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write of 256 MiB)."""
+    src = torch.empty(64 * 2**20, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (_us(lambda: dst.copy_(src)) * 1e-6)
+
+
+def _spmm_fns(x, values, tensors, weight, mask, csr) -> dict:
+    """The SpMM variants for one input ``x (B, in)`` (a function, so that each closure keeps its own
+    ``x``: the CUDA-graph pass calls them after the loop over batches)."""
+    from snack.backends.triton import backend as tb
+
+    xt = x.t().contiguous()
+    return {
+        "segment": lambda: tb.spmm(x, values, tensors, form="segment"),
+        "pointer": lambda: tb.spmm(x, values, tensors, form="pointer"),
+        "snack_op": lambda: torch.ops.snack.spmm(x, values, *tensors),
+        "dense_mask": lambda: x @ (weight * mask).t(),
+        "csr": lambda: torch.sparse.mm(csr, xt),
+        "dense": lambda: x @ weight.t(),
+    }
+
+
+def _step_ops(x, grad, values, tensors, weight) -> dict:
+    """The three products of a training step, snack's and dense, for ``x (B, in)``, ``grad (B, out)``."""
+    return {
+        "spmm": lambda: torch.ops.snack.spmm(x, values, *tensors),
+        "spmm_t": lambda: torch.ops.snack.spmm_t(grad, values, *tensors),
+        "sddmm": lambda: torch.ops.snack.sddmm(grad, x, *tensors),
+        "dense_fwd": lambda: x @ weight.t(),
+        "dense_dx": lambda: grad @ weight,
+        "dense_dw": lambda: grad.t() @ x,
+    }
+
+
+def _spmm_rows(args, device, dtype, bandwidth):
+    from snack.backends.triton import backend as tb
+    from snack.topology import Topology, random_coo
+
+    out_features, in_features = map(int, args.size.lower().split("x"))
+    gen = torch.Generator(device=device).manual_seed(0)
+    row, col = random_coo(out_features, in_features, args.sparsity, generator=gen, device=device)
+    topo = Topology(row, col, (out_features, in_features), validate=False)
+    tensors = topo.tensors()
+    values = torch.randn(topo.nnz, device=device, dtype=dtype, generator=gen)
+    weight = torch.zeros(out_features, in_features, device=device, dtype=dtype)
+    weight[row.long(), col.long()] = values
+    mask = (weight != 0).to(dtype)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = weight.to_sparse_csr()
+    rows, graph_jobs = [], []
+    for batch in args.batch:
+        x = torch.randn(batch, in_features, device=device, dtype=dtype, generator=gen)
+        fns = _spmm_fns(x, values, tensors, weight, mask, csr)
+        expected = (x.double() @ weight.double().t()).to(torch.float32)
+        scale = expected.abs().max().item()
+        errors = {}
+        for name in ("segment", "pointer", "snack_op"):
+            errors[name] = (fns[name]().float() - expected).abs().max().item() / scale
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            if errors[name] > tol:
+                raise AssertionError(f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}")
+        times = {name: _us(fn) for name, fn in fns.items()}
+        moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
+        entry = {
+            "batch": batch,
+            "heuristic_form": tb.spmm_form(batch),
+            "us": times,
+            "bw_limit_us": moved / bandwidth * 1e6,
+            "rel_error": errors,
+        }
+        rows.append(entry)
+        graph_jobs.append((entry, fns))
+    return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, graph_jobs
+
+
+def _check_step(layer, x, grad, dtype) -> None:
+    """Gradients of a Triton-backend step against the reference backend; raises on a mismatch."""
+    import snack
+
+    results = {}
+    for backend in ("triton", "reference"):
+        layer.zero_grad()
+        xi = x.detach().clone().requires_grad_()
+        with snack.use_backend(backend):
+            layer(xi).backward(grad)
+        results[backend] = (xi.grad.float(), layer.values.grad.float())
+    layer.zero_grad()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, got, expected in zip(("dX", "dvalues"), results["triton"], results["reference"]):
+        error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+        if error > tol:
+            raise AssertionError(f"training step {name} at batch {x.shape[0]}: relative error {error:.2e} > {tol}")
+
+
+def _train_rows(args, device, dtype):
+    import snack
+
+    out_features, in_features = map(int, args.size.lower().split("x"))
+    torch.manual_seed(0)
+    sparse = snack.SparseLinear(in_features, out_features, sparsity=args.train_sparsity, device=device, dtype=dtype)
+    dense = torch.nn.Linear(in_features, out_features, device=device, dtype=dtype)
+    values, tensors = sparse.values.detach(), sparse.topology.tensors()
+    weight = dense.weight.detach()
+    rows, graph_jobs = [], []
+    for batch in args.batch:
+        x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn(batch, out_features, device=device, dtype=dtype)
+        _check_step(sparse, x, grad, dtype)
+        ops = _step_ops(x.detach(), grad, values, tensors, weight)
+
+        def step(layer):
+            def run():
+                layer(x).backward(grad)
+
+            return run
+
+        times = {"snack": _us(step(sparse)), "dense": _us(step(dense))}
+        entry = {"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]}
+        rows.append(entry)
+        graph_jobs.append((entry, ops))
+    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows}, graph_jobs
+
+
+def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | None = None) -> dict:
+    """All measurements as one dict (see module docstring), also written to ``args.out`` as JSON:
+    once before the CUDA-graph timings (``graphs``, default on CUDA), which come last because a
+    library call that breaks capture could leave the device unusable."""
+    import triton
+
+    from snack.backends import default_backend_name
+
+    dtype = _DTYPES[args.dtype]
+    bandwidth = _copy_bandwidth(device)
+    spmm, graph_jobs = _spmm_rows(args, device, dtype, bandwidth)
+    train, train_graph_jobs = _train_rows(args, device, dtype)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        # what the layers and snack_op ran on (a Triton that fails to load falls back, with a warning)
+        "default_backend": default_backend_name(device.type),
+        "spmm": spmm,
+        "train": train,
+    }
+    _write_json(args.out, result)
+    if device.type == "cuda" if graphs is None else graphs:
+        for entry, fns in graph_jobs + train_graph_jobs:
+            entry["graph_us"] = {name: _graph_us(fn) for name, fn in fns.items()}
+        _write_json(args.out, result)
+    return result
+
+
+def _write_json(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def print_tables(result: dict) -> None:
+    spmm = result["spmm"]
+    print(f"device {result['device']}, layers on backend {result['default_backend']!r}")
+    print(f"\nSpMM {spmm['size']} at sparsity {spmm['sparsity']} ({result['dtype']}), median µs; ratios = baseline / best snack form")
+    head = f"{'B':>3} {'form':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS)
+    print(head + f" {'limit':>7} {'mask/sn':>8} {'csr/sn':>7} {'dense/sn':>8}")
+    for row in spmm["rows"]:
+        t = row["us"]
+        best = min(t["segment"], t["pointer"])
+        cells = " ".join(f"{t[v]:10.1f}" for v in SPMM_VARIANTS)
+        print(
+            f"{row['batch']:>3} {row['heuristic_form']:>8} {cells} {row['bw_limit_us']:7.1f} "
+            f"{t['dense_mask'] / best:8.2f} {t['csr'] / best:7.2f} {t['dense'] / best:8.2f}"
+        )
+    print("\nSame, replayed from a CUDA graph (GPU time, no launch overhead; '-' = not capturable)")
+    print(f"{'B':>3} {'':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS) + f" {'mask/sn':>8} {'csr/sn':>7}")
+    for row in spmm["rows"]:
+        g = row.get("graph_us", {})
+        cells = " ".join(f"{g[v]:10.1f}" if g.get(v) is not None else f"{'-':>10}" for v in SPMM_VARIANTS)
+        snack_times = [g[v] for v in ("segment", "pointer") if g.get(v) is not None]
+        ratios = [
+            f"{g[v] / min(snack_times):{w}.2f}" if snack_times and g.get(v) is not None else f"{'-':>{w}}"
+            for v, w in (("dense_mask", 8), ("csr", 7))
+        ]
+        print(f"{row['batch']:>3} {'':>8} {cells} {' '.join(ratios)}")
+    train = result["train"]
+    print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs:")
+    print("eager step of the layer, then its three products one by one from CUDA graphs")
+    print(f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} " + " ".join(f"{op:>9}" for op in _STEP_OPS) + " speedup")
+    for row in train["rows"]:
+        g = row.get("graph_us", {})
+        cells = " ".join(f"{g[op]:9.1f}" if g.get(op) is not None else f"{'-':>9}" for op in _STEP_OPS)
+        products = [g.get(op) for op in _STEP_OPS]
+        if None in products:
+            ops_speedup = "-"
+        else:
+            ops_speedup = f"{sum(products[3:]) / sum(products[:3]):.2f}"
+        print(
+            f"{row['batch']:>3} {row['us']['snack']:9.1f} {row['us']['dense']:9.1f} {row['speedup_vs_dense']:8.2f} "
+            f"{cells} {ops_speedup:>7}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    result = benchmark(args, torch.device("cuda"))
+    print_tables(result)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The Triton kernels of the three sparse ops (device code only; launches live in
+:mod:`snack.backends.triton.backend`).
+
+Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one
+output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
+(``dX = dY·W``, walked in column order through ``csc_perm``). Every kernel multiplies and
+accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
+
+* :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
+  batch row — or a few rows, ``ROWS_PER_PROGRAM``). Non-zeros are sorted by segment, so inside a block equal segments are contiguous;
+  a segmented prefix sum reduces each run and only the last element of a run issues an atomic
+  add. Atomics per block = runs in the block, not non-zeros.
+* :func:`pointer_spmm_kernel` — the tiled form: one program per (segment, batch tile), walking
+  the segment through its pointer array (``rowptr``/``colptr``); each output element is written
+  once, no atomics.
+* :func:`sddmm_kernel` — ``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: one program per block of
+  non-zeros, looping over batch tiles.
+
+Dense operands are addressed through explicit strides so the host can hand over either the
+batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
+values one non-zero needs are then one coalesced load). Index tensors are int32; addresses are
+formed in int64 wherever ``B · n`` may pass 2³¹.
+
+Whether these functions are compiled for a GPU or run by the CPU interpreter is decided when
+this module is imported (``TRITON_INTERPRET=1`` → interpreter), by ``triton.jit`` itself.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["KERNELS", "pointer_spmm_kernel", "sddmm_kernel", "segment_spmm_kernel"]
+
+
+@triton.jit
+def _segmented_sum(value_a, start_a, value_b, start_b):
+    # Combine step of a segmented inclusive scan: a run restarts wherever a start flag is set.
+    # Associative: (a ∘ b) ∘ c == a ∘ (b ∘ c) for the pair (value, start).
+    return tl.where(start_b != 0, value_b, value_a + value_b), start_a | start_b
+
+
+# Sizes are not specialised on (they only bound loops and masks): a new batch size or matrix must
+# not trigger a new compilation. Strides are, so a unit stride is known at compile time.
+@triton.jit(do_not_specialize=["nnz", "batch", "n_out"])
+def segment_spmm_kernel(
+    a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
+    values_ptr,  # (nnz,)
+    seg_ptr_ptr,  # (n_out + 1,) int32 pointer of the segment index (rowptr or colptr)
+    seg_index_ptr,  # (nnz,) int32 segment (output) index of each non-zero (row or col)
+    gather_index_ptr,  # (nnz,) int32 input index of each non-zero (col or row)
+    perm_ptr,  # (nnz,) int32 order in which to visit the non-zeros (csc_perm); unused unless HAS_PERM
+    y_ptr,  # (B, n_out) float32, zero-filled: accumulated with atomics
+    nnz,
+    batch,
+    n_out,
+    stride_ab,
+    stride_ai,
+    HAS_PERM: tl.constexpr,
+    BLOCK_NNZ: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,  # read by the host's grid only: axis 1 = cdiv(B, ROWS_PER_PROGRAM)
+):
+    """``y[b, s] += Σ_{k in block, seg_k = s} values[k] · a[b, gather_k]`` for one block of
+    non-zeros (in segment order) and the batch rows ``program_id(1), + num_programs(1), ...``.
+
+    With one batch row per program the indices of a block are re-read (from L2) once per row;
+    several rows per program read them once, at the cost of fewer programs."""
+    lane = tl.arange(0, BLOCK_NNZ)
+    offs = tl.program_id(0) * BLOCK_NNZ + lane
+    mask = offs < nnz
+    if HAS_PERM:
+        pos = tl.load(perm_ptr + offs, mask=mask, other=0)
+    else:
+        pos = offs
+    seg = tl.load(seg_index_ptr + pos, mask=mask, other=0)
+    gather = tl.load(gather_index_ptr + pos, mask=mask, other=0).to(tl.int64)
+    value = tl.load(values_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+    # Run boundaries from the pointer array (no neighbour loads): a non-zero starts a run when it is
+    # its segment's first (or the block's first) and ends one when it is its segment's last (or the
+    # block's last). Masked lanes end no run.
+    seg_first = tl.load(seg_ptr_ptr + seg, mask=mask, other=0)
+    seg_end = tl.load(seg_ptr_ptr + seg + 1, mask=mask, other=0)
+    is_start = ((offs == seg_first) | (lane == 0)).to(tl.int32)
+    is_end = mask & ((offs + 1 == seg_end) | (lane == BLOCK_NNZ - 1))
+    # Batch rows are strided over grid axis 1, which CUDA caps at 65535 programs.
+    b = tl.program_id(1).to(tl.int64)
+    while b < batch:
+        a = tl.load(a_ptr + b * stride_ab + gather * stride_ai, mask=mask, other=0.0).to(tl.float32)
+        run_sum, _ = tl.associative_scan((value * a, is_start), 0, _segmented_sum)
+        tl.atomic_add(y_ptr + b * n_out + seg, run_sum, mask=is_end, sem="relaxed")
+        b += tl.num_programs(1)
+
+
+@triton.jit
+def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b, stride_ai,
+                   HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc[b, j] += a[b, gather[k_j]] · values[k_j] for the positions k0 + j < end of a segment.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < end
+    if HAS_PERM:
+        pos = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
+    else:
+        pos = offs_k
+    gather = tl.load(gather_index_ptr + pos, mask=mask_k, other=0).to(tl.int64)
+    value = tl.load(values_ptr + pos, mask=mask_k, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row_b[:, None] + gather[None, :] * stride_ai, mask=mask_b[:, None] & mask_k[None, :], other=0.0)
+    return acc + a.to(tl.float32) * value[None, :]
+
+
+@triton.jit(do_not_specialize=["batch"])
+def pointer_spmm_kernel(
+    a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
+    values_ptr,  # (nnz,)
+    seg_ptr_ptr,  # (n_out + 1,) int32 pointer: segment s owns positions [ptr[s], ptr[s+1])
+    gather_index_ptr,  # (nnz,) int32 input index of each non-zero
+    perm_ptr,  # (nnz,) int32 positions → non-zero (csc_perm); unused unless HAS_PERM
+    y_ptr,  # (B, n_out) output written at [b, s] through (stride_yb, stride_ys)
+    batch,
+    stride_ab,
+    stride_ai,
+    stride_yb,
+    stride_ys,
+    HAS_PERM: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``y[b, s] = Σ_{p in segment s} values[k_p] · a[b, gather[k_p]]`` for segment
+    ``program_id(0)`` and the batch tile ``program_id(1)``; ``k_p = perm[p]`` if HAS_PERM else ``p``.
+
+    ``WHILE_LOOP`` walks the segment with a while loop, for Triton 3.6's interpreter, which cannot
+    iterate ``range()`` over runtime bounds (its scalars are 1-element arrays that NumPy >= 2.4
+    refuses to convert to int). Compiled kernels keep the for loop, which Triton software-pipelines.
+    """
+    seg = tl.program_id(0)
+    offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < batch
+    row_b = offs_b.to(tl.int64) * stride_ab
+    start = tl.load(seg_ptr_ptr + seg)
+    end = tl.load(seg_ptr_ptr + seg + 1)
+    # A 2-D accumulator, reduced once after the loop, keeps the inner loop free of reductions.
+    acc = tl.zeros((BLOCK_B, BLOCK_K), dtype=tl.float32)
+    if WHILE_LOOP:
+        k0 = start
+        while k0 < end:
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
+                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in range(start, end, BLOCK_K):
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
+                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
+    y = tl.sum(acc, axis=1)
+    y_addr = y_ptr + offs_b.to(tl.int64) * stride_yb + seg.to(tl.int64) * stride_ys
+    tl.store(y_addr, y.to(y_ptr.dtype.element_ty), mask=mask_b)
+
+
+@triton.jit(do_not_specialize=["nnz", "batch"])
+def sddmm_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
+    row_ptr,  # (nnz,) int32
+    col_ptr,  # (nnz,) int32
+    out_ptr,  # (nnz,) output in the input dtype
+    nnz,
+    batch,
+    stride_db,
+    stride_dr,
+    stride_xb,
+    stride_xc,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for the block of non-zeros ``program_id(0)``."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < nnz
+    dy_col = tl.load(row_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_dr
+    x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
+    acc = tl.zeros((BLOCK_B, BLOCK_K), dtype=tl.float32)
+    # A while loop: Triton 3.6's interpreter cannot run range() over a runtime argument (see
+    # pointer_spmm_kernel); a batch of at most a few tiles gains nothing from pipelining.
+    b0 = 0
+    while b0 < batch:
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask = (offs_b < batch)[:, None] & mask_k[None, :]
+        b64 = offs_b.to(tl.int64)[:, None]
+        dy = tl.load(dy_ptr + b64 * stride_db + dy_col[None, :], mask=mask, other=0.0)
+        x = tl.load(x_ptr + b64 * stride_xb + x_col[None, :], mask=mask, other=0.0)
+        acc += dy.to(tl.float32) * x.to(tl.float32)
+        b0 += BLOCK_B
+    out = tl.sum(acc, axis=0)
+    tl.store(out_ptr + offs_k, out.to(out_ptr.dtype.element_ty), mask=mask_k)
+
+
+# name -> kernel, for tools that walk every kernel (compile-check).
+KERNELS = {
+    "segment_spmm": segment_spmm_kernel,
+    "pointer_spmm": pointer_spmm_kernel,
+    "sddmm": sddmm_kernel,
+}

@@ -1,0 +1,214 @@
+"""The Triton backend against the reference backend.
+
+The tests run on one device, ``SNACK_TEST_DEVICE`` (default: ``cuda`` when available, else
+``cpu``). On ``cpu`` the kernels run in Triton's interpreter: this module sets
+``TRITON_INTERPRET=1`` before the kernels are imported (Triton reads it when a kernel is
+decorated), which is why shapes stay small. On ``cuda`` the compiled kernels run; set
+``SNACK_TRITON_AUTOTUNE=0`` there to test the fixed configs (including the shrunken ones below)
+rather than the autotuned ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = os.environ.get("SNACK_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE == "cpu":
+    # Left set for the rest of the session: interpreted kernels read it again at launch.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import snack  # noqa: E402
+from snack import backends  # noqa: E402
+from snack.backends import reference  # noqa: E402
+from snack.backends.triton import backend as tb  # noqa: E402
+from snack.topology import Topology, random_coo  # noqa: E402
+
+if DEVICE == "cpu" and not tb.INTERPRETED:
+    raise RuntimeError("snack's Triton kernels were imported before TRITON_INTERPRET=1 was set; run this module first")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("SNACK_TEST_DEVICE=cuda but no CUDA device is available", allow_module_level=True)
+
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    # one rounding of an fp32-accumulated result, plus the inputs' own rounding in the reference
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+}
+
+
+def _custom_topology() -> Topology:
+    """40 × 50: empty rows 0 and 4, a long row 2 (48 columns), a long column 7 (every non-empty row),
+    empty columns 9 and 10, and a few short rows."""
+    coords = {(2, c) for c in range(50) if c not in (9, 10)}
+    coords |= {(r, 7) for r in range(40) if r not in (0, 4)}
+    coords |= {(1, 3), (1, 49), (3, 0), (5, 1), (5, 2), (5, 48)}
+    row, col = torch.tensor(sorted(coords), dtype=torch.int32).unbind(1)
+    return Topology(row.contiguous(), col.contiguous(), (40, 50))
+
+
+def _topology(case: str) -> Topology:
+    if case == "long_and_empty":
+        return _custom_topology()
+    if case == "nnz0":
+        empty = torch.empty(0, dtype=torch.int32)
+        return Topology(empty, empty, (4, 5))
+    out_features, in_features, sparsity = {
+        "5x7": (5, 7, 0.5),
+        "33x17": (33, 17, 0.7),
+        "64x40": (64, 40, 0.9),
+    }[case]
+    generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    row, col = random_coo(out_features, in_features, sparsity, generator=generator)
+    return Topology(row, col, (out_features, in_features))
+
+
+# (topology, batch): sizes that are not multiples of any block, batch 1, a batch over several
+# tiles, long and empty rows and columns, no non-zeros, an empty batch
+CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty", 2), ("nnz0", 3), ("33x17", 0)]
+
+
+@pytest.fixture(params=["fixed", "small"])
+def blocks(request, monkeypatch):
+    """``fixed``: the shipped configs. ``small``: tiny blocks and batch tiles, so small shapes span
+    several non-zero blocks, loop iterations and batch tiles, and the segment kernel's batch loop
+    takes more than one step (two rows per program, and its grid capped at 2)."""
+    if request.param == "small":
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "sddmm", {"BLOCK_K": 16, "num_warps": 4})
+        monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
+        monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
+    return request.param
+
+
+def _inputs(case: str, batch: int, dtype=torch.float32):
+    topo = _topology(case).to(DEVICE)
+    out_features, in_features = topo.shape
+    generator = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, in_features, generator=generator)
+    dy = torch.randn(batch, out_features, generator=generator)
+    values = torch.randn(topo.nnz, generator=generator)
+    return topo.tensors(), *(t.to(DEVICE, dtype) for t in (x, dy, values))
+
+
+@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize("op", ["spmm", "spmm_t"])
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_forms_match_reference(op, form, case, batch, blocks):
+    topo, x, dy, values = _inputs(case, batch)
+    dense = x if op == "spmm" else dy
+    got = getattr(tb, op)(dense, values, topo, form=form)
+    expected = getattr(reference, op)(dense, values, topo)
+    assert got.dtype == dense.dtype and got.is_contiguous()
+    torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_sddmm_matches_reference(case, batch, blocks):
+    topo, x, dy, _ = _inputs(case, batch)
+    got = tb.sddmm(dy, x, topo)
+    assert got.shape == (topo.row.numel(),) and got.dtype == x.dtype
+    torch.testing.assert_close(got, reference.sddmm(dy, x, topo), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("case", "batch"), [("33x17", 3), ("64x40", 17)])
+def test_half_precision_accumulates_in_fp32(dtype, case, batch):
+    """Half inputs, compared with the fp32 reference on the same (already rounded) inputs."""
+    topo, x, dy, values = _inputs(case, batch, dtype)
+    x32, dy32, values32 = x.float(), dy.float(), values.float()
+    for form in ("segment", "pointer"):
+        got = tb.spmm(x, values, topo, form=form)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), reference.spmm(x32, values32, topo), **TOL[dtype])
+        got = tb.spmm_t(dy, values, topo, form=form)
+        torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
+    got = tb.sddmm(dy, x, topo)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
+
+
+def test_form_heuristic():
+    assert tb.spmm_form(1) == "segment"
+    assert tb.spmm_form(tb.SEGMENT_MAX_BATCH) == "segment"
+    assert tb.spmm_form(tb.SEGMENT_MAX_BATCH + 1) == "pointer"
+
+
+def test_rejects_unsupported_dtype_and_form():
+    topo, x, _, values = _inputs("5x7", 2)
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        tb.spmm(x.double(), values.double(), topo)
+    with pytest.raises(ValueError, match="form must be"):
+        tb.spmm(x, values, topo, form="dense")
+
+
+def test_supports_this_device():
+    assert tb.supports(torch.device(DEVICE))
+    assert backends.get_backend("triton").supports(torch.device(DEVICE))
+
+
+def test_use_backend_routes_the_custom_ops_to_triton(monkeypatch):
+    calls = []
+    real_spmm = tb.spmm
+    monkeypatch.setattr(tb, "spmm", lambda *args, **kwargs: calls.append(1) or real_spmm(*args, **kwargs))
+    topo, x, _, values = _inputs("33x17", 3)
+    with snack.use_backend("triton"):
+        y = torch.ops.snack.spmm(x, values, *topo)
+    assert calls == [1]
+    torch.testing.assert_close(y, reference.spmm(x, values, topo))
+
+
+@pytest.mark.parametrize("input_shape", [(5, 17), (2, 3, 17), (1, 17)])
+def test_sparse_linear_forward_backward_matches_reference(input_shape):
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
+    x = torch.randn(*input_shape, device=DEVICE)
+    grad_out = torch.randn(*input_shape[:-1], 33, device=DEVICE)
+
+    def run(backend):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with snack.use_backend(backend):
+            y = layer(xi)
+            y.backward(grad_out)
+        return y.detach(), xi.grad, layer.values.grad.clone(), layer.bias.grad.clone()
+
+    for got, expected in zip(run("triton"), run("reference")):
+        torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys):
+    """The GPU benchmark's logic on a tiny layer, with timing replaced by one call per variant."""
+    from snack.backends.triton import kernel_bench
+
+    def call_once(fn):
+        fn()
+        return 1.0
+
+    graph_shapes = []
+
+    def graph_call_once(fn):
+        graph_shapes.append(tuple(fn().shape))
+        return 2.0
+
+    monkeypatch.setattr(kernel_bench, "_us", call_once)
+    monkeypatch.setattr(kernel_bench, "_graph_us", graph_call_once)
+    args = kernel_bench.parse_args(["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5"])
+    result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
+    assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 5]
+    assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS)
+    assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
+    # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
+    n_spmm, n_step = len(kernel_bench.SPMM_VARIANTS), len(kernel_bench._STEP_OPS)
+    assert len(graph_shapes) == 2 * (n_spmm + n_step)
+    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
+    assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
+    assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]  # step at batch 1: spmm, spmm_t
+    kernel_bench.print_tables(result)
+    assert "Training step" in capsys.readouterr().out
+    assert json.loads((tmp_path / "r.json").read_text())["train"]["rows"][1]["graph_us"]["sddmm"] == 2.0

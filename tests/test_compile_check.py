@@ -1,0 +1,53 @@
+"""``snack compile-check``: every Triton kernel compiles for sm_80 and sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="compile-check needs Triton")
+
+from snack.backends.triton import compile_check  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"^(\S+)\s+(float32|float16|bfloat16)\s+sm_(\d+)\s+ok\s+(\d+) bytes$")
+
+
+def test_every_kernel_compiles_for_both_architectures():
+    # A fresh process: the interpreter flag another test module may have set must not reach it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "snack.cli", "compile-check", "--arch", "80", "--arch", "90"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [m.groups() for m in map(LINE.match, result.stdout.splitlines()) if m]
+    kernels = {name for name, _, _, _ in lines}
+    assert kernels == {variant for variant, _, _ in compile_check._VARIANTS}
+    assert len(lines) == len(kernels) * 3 * 2  # every dtype and arch
+    assert all(int(size) > 0 for *_, size in lines)
+
+
+def test_failure_is_reported_and_exits_nonzero(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def broken(variant, dtype, arch):
+        raise RuntimeError("ptxas exploded")
+
+    monkeypatch.setattr(compile_check, "compile_kernel", broken)
+    assert compile_check.run(argparse.Namespace(arch=[90], dtype=["float32"])) == 1
+    out = capsys.readouterr().out
+    assert "sddmm" in out and "FAILED" in out and "ptxas exploded" in out
+
+
+def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert compile_check.run(argparse.Namespace(arch=None, dtype=None)) == 1
+    assert "TRITON_INTERPRET" in capsys.readouterr().out
