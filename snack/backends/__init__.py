@@ -117,21 +117,24 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
-def default_backend_name(device_type: str) -> str:
-    """The backend that runs on ``device_type`` when none is forced.
+def default_backend_name(device: torch.device | str) -> str:
+    """The backend that runs on ``device`` (a device or a device type) when none is forced.
 
-    Tries the registered defaults in order and warns (once per backend) about each that fails
-    to load, so a broken native build is never silently replaced by the slow reference.
+    The first registered default for the device type that loads and supports the device wins;
+    each one that fails to load is reported once with a ``RuntimeWarning``, so a broken native
+    build is never silently replaced by the slow reference.
     """
-    for name in _DEFAULTS.get(device_type, []):
+    device = torch.device(device)
+    for name in _DEFAULTS.get(device.type, []):
         if name in _FAILED:
             continue
         try:
-            get_backend(name)
+            backend = get_backend(name)
         except BackendUnavailableError as error:
-            warnings.warn(f"{error}; falling back to the next backend for {device_type}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{error}; falling back to the next backend for {device.type}", RuntimeWarning, stacklevel=2)
             continue
-        return name
+        if backend.supports(device):
+            return name
     return "reference"
 
 
@@ -154,7 +157,7 @@ def resolve(device: torch.device) -> Backend:
     """The backend an op on ``device`` runs on now."""
     name = _FORCED.get()
     if name is None:
-        name = default_backend_name(device.type)
+        name = default_backend_name(device)
     backend = get_backend(name)
     if not backend.supports(device):
         raise BackendUnavailableError(f"snack backend {name!r} does not support device {device}")
