@@ -134,9 +134,13 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
 
 
 def test_form_heuristic():
-    assert tb.spmm_form(1) == "segment"
-    assert tb.spmm_form(tb.SEGMENT_MAX_BATCH) == "segment"
-    assert tb.spmm_form(tb.SEGMENT_MAX_BATCH + 1) == "pointer"
+    # many output rows fill the GPU with pointer programs; a narrow layer needs the segment form
+    for batch in (1, 16, 64, 1000):
+        assert tb.spmm_form(batch, 4096, "cpu") == "pointer"
+        assert tb.spmm_form(batch, 10, "cpu") == "segment"
+    enough = tb.MIN_POINTER_PROGRAMS_PER_SM * tb._DEFAULT_SM_COUNT
+    assert tb.spmm_form(1, enough, "cpu") == "pointer"
+    assert tb.spmm_form(1, enough - 1, "cpu") == "segment"
 
 
 def test_rejects_unsupported_dtype_and_form():

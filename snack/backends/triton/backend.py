@@ -4,17 +4,17 @@ Shapes follow :mod:`snack.backends`: ``x (B, in)``, ``dy (B, out)``, ``values (n
 are new tensors in the input dtype. All arithmetic is float32 (see :mod:`.kernels`).
 
 Which SpMM form runs (:func:`spmm_form`)
-    ``B <= SEGMENT_MAX_BATCH`` (16) → the *segment* (COO) form: ``cdiv(nnz, BLOCK_NNZ)`` programs
-    along the non-zeros times ``cdiv(B, ROWS_PER_PROGRAM)`` along the batch, one atomic add per
-    run of equal output index in a block. Its parallelism does not depend on how the non-zeros
-    spread over rows, which is what a small batch needs to fill the GPU (the batch-to-SM mapping
-    of the design we follow); its costs — the indices re-read per program along the batch, a
-    float32 scratch output, atomics — grow with ``B``.
-    Larger ``B`` → the *pointer* (tiled) form: one program per (row, tile of ``BLOCK_B`` batch
-    rows) reading the indices once per tile and writing each output once, without atomics.
+    The *pointer* (tiled) form runs one program per (output row, tile of ``BLOCK_B`` batch rows),
+    reads the indices once per tile and writes each output once, without atomics. The *segment*
+    (COO) form runs ``cdiv(nnz, BLOCK_NNZ)`` programs along the non-zeros times
+    ``cdiv(B, ROWS_PER_PROGRAM)`` along the batch, with one atomic add per run of equal output
+    index in a block: its parallelism does not depend on how the non-zeros spread over rows.
+    Measured on an H200 (4096², 95% sparsity, ``benchmarks/gpu/kernel_bench.txt``), the pointer
+    form was faster at every batch from 1 to 64 (B=1: 5.0 µs vs 7.7 µs of GPU time), because
+    4096 rows already give 31 programs per SM. So the pointer form runs unless its grid would
+    leave SMs idle — fewer than ``MIN_POINTER_PROGRAMS_PER_SM`` programs per SM, as for a
+    10-wide classifier layer — where the segment form's parallelism along the non-zeros wins.
     The transposed SpMM makes the same choice over columns (``colptr`` + ``csc_perm``).
-    The threshold is a first guess, to be re-tuned from ``python -m snack.backends.triton.kernel_bench``
-    (it times both forms at every batch).
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -32,6 +32,7 @@ Configs
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -47,7 +48,10 @@ __all__ = ["AUTOTUNE", "FIXED_CONFIGS", "INTERPRETED", "sddmm", "spmm", "spmm_fo
 INTERPRETED = not isinstance(kernels.sddmm_kernel, triton.runtime.JITFunction)
 AUTOTUNE = not INTERPRETED and os.environ.get("SNACK_TRITON_AUTOTUNE", "1") != "0"
 
-SEGMENT_MAX_BATCH = 16
+# Below this many pointer-form programs per SM the segment form runs (module docstring).
+MIN_POINTER_PROGRAMS_PER_SM = 2
+# SMs assumed off the GPU (the interpreter), so that it takes the choices an H200 would.
+_DEFAULT_SM_COUNT = 132
 TRANSPOSE_MIN_BATCH = 4
 # Largest batch tile of the pointer form and the SDDMM (accumulator BLOCK_B × BLOCK_K in registers).
 MAX_BLOCK_B = 64
@@ -70,9 +74,18 @@ def supports(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
 
 
-def spmm_form(batch: int) -> str:
-    """``"segment"`` or ``"pointer"``: the SpMM form the heuristic picks for ``batch`` rows."""
-    return "segment" if batch <= SEGMENT_MAX_BATCH else "pointer"
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def spmm_form(batch: int, n_out: int, device: torch.device | str = "cuda") -> str:
+    """``"segment"`` or ``"pointer"``: the SpMM form the heuristic picks for ``batch`` rows into
+    ``n_out`` outputs on ``device`` (module docstring, *Which SpMM form runs*)."""
+    programs = n_out * triton.cdiv(max(batch, 1), _block_b(max(batch, 1)))
+    return "segment" if programs < MIN_POINTER_PROGRAMS_PER_SM * _sm_count(torch.device(device)) else "pointer"
 
 
 # ---------------------------------------------------------------- autotuning (GPU only)
@@ -92,7 +105,7 @@ _SEGMENT_CONFIGS = [
 _TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k, w in ((32, 4), (64, 4), (128, 8))]
 _TUNED = {
     # The segment kernel accumulates into its output: every trial must start from zeros. Its batch
-    # (at most SEGMENT_MAX_BATCH values by default) is in the key: rows per program depend on it.
+    # is in the key: rows per program depend on it.
     "segment_spmm": _autotuned(
         kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["HAS_PERM", "batch"], reset_to_zero=["y_ptr"]
     ),
@@ -173,7 +186,7 @@ def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None =
     """
     _check_dtype("spmm", x, values)
     n_out = topo.rowptr.numel() - 1
-    form = form or spmm_form(x.shape[0])
+    form = form or spmm_form(x.shape[0], n_out, x.device)
     if form == "segment":
         return _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, None, n_out)
     if form == "pointer":
@@ -189,7 +202,7 @@ def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | Non
     """
     _check_dtype("spmm_t", dy, values)
     n_in = topo.colptr.numel() - 1
-    form = form or spmm_form(dy.shape[0])
+    form = form or spmm_form(dy.shape[0], n_in, dy.device)
     if form == "segment":
         return _segment_spmm(dy, values, topo.colptr, topo.col, topo.row, topo.csc_perm, n_in)
     if form == "pointer":

@@ -133,7 +133,7 @@ def _spmm_rows(args, device, dtype, bandwidth):
         moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
         entry = {
             "batch": batch,
-            "heuristic_form": tb.spmm_form(batch),
+            "heuristic_form": tb.spmm_form(batch, out_features, device),
             "us": times,
             "bw_limit_us": moved / bandwidth * 1e6,
             "rel_error": errors,
