@@ -8,7 +8,9 @@ import importlib
 import sys
 
 # subcommand -> (module, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("snack.train", "Train a sparse MLP with dynamic sparse training (RigL/SET) on MNIST digits."),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
