@@ -38,6 +38,7 @@ __all__ = [
     "get_backend",
     "register_backend",
     "resolve",
+    "unregister_backend",
     "use_backend",
 ]
 
@@ -80,6 +81,18 @@ def register_backend(name: str, loader: Callable[[], Backend] | str, *, default_
         if name in order:
             order.remove(name)
         order.insert(0, name)
+
+
+def unregister_backend(name: str) -> None:
+    """Forget backend ``name`` (for plugins and tests); the reference backend stays."""
+    if name == "reference":
+        raise ValueError("the reference backend cannot be unregistered")
+    _LOADERS.pop(name, None)
+    _LOADED.pop(name, None)
+    _FAILED.pop(name, None)
+    for order in _DEFAULTS.values():
+        if name in order:
+            order.remove(name)
 
 
 def available_backends() -> list[str]:

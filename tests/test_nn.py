@@ -1,0 +1,336 @@
+"""SparseLinear against dense math on its masked weight; conversion, serialisation, errors."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import snack
+from snack.nn import SparseLinear
+
+from conftest import dense_forward_and_grads, make_layer
+
+SHAPES = [(1, 1), (5, 3), (3, 5), (17, 31), (64, 40)]
+
+
+def _check_against_dense(layer: SparseLinear, x: torch.Tensor, atol=1e-10):
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    grad_out = torch.randn_like(y)
+    dx, dvalues, dbias = torch.autograd.grad(y, (x, layer.values, layer.bias), grad_out)
+    y_ref, dx_ref, dvalues_ref, dbias_ref = dense_forward_and_grads(layer, x, grad_out)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=atol)
+    torch.testing.assert_close(dx, dx_ref, rtol=0, atol=atol)
+    torch.testing.assert_close(dvalues, dvalues_ref, rtol=0, atol=atol)
+    torch.testing.assert_close(dbias, dbias_ref, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_forward_and_gradients_match_dense(shape, sparsity, batch):
+    layer = make_layer(*shape, sparsity)
+    _check_against_dense(layer, torch.randn(batch, shape[1], dtype=torch.float64))
+
+
+def test_empty_rows_and_columns():
+    layer = make_layer(12, 10, 0.3, empty_rows=(0, 5, 11), empty_cols=(2, 9))
+    assert layer.topology.rowptr[1] == 0  # row 0 really is empty
+    _check_against_dense(layer, torch.randn(4, 10, dtype=torch.float64))
+
+
+def test_no_connections_at_all():
+    empty = torch.empty(0, dtype=torch.int32)
+    layer = SparseLinear.from_coo(empty, empty, torch.empty(0, dtype=torch.float64), (6, 4), bias=torch.randn(6, dtype=torch.float64))
+    assert layer.nnz == 0 and layer.sparsity == 1.0
+    _check_against_dense(layer, torch.randn(3, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("leading", [(), (2, 3), (1, 1, 4)])
+def test_any_leading_dimensions(leading):
+    layer = make_layer(9, 6, 0.5)
+    x = torch.randn(*leading, 6, dtype=torch.float64)
+    y = layer(x)
+    assert y.shape == (*leading, 9)
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.to_dense(), layer.bias), rtol=0, atol=1e-12)
+
+
+def test_non_contiguous_input():
+    layer = make_layer(9, 6, 0.5)
+    x = torch.randn(6, 5, dtype=torch.float64).t()  # (5, 6), not contiguous
+    assert not x.is_contiguous()
+    _check_against_dense(layer, x)
+
+
+def test_without_bias():
+    layer = make_layer(9, 6, 0.5, bias=False)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(layer(x), x @ layer.to_dense().T)
+    assert "bias=False" in repr(layer)
+
+
+def test_gradcheck_through_layer():
+    layer = make_layer(7, 5, 0.5)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, values, bias):
+        return snack.ops.sparse_linear(x, values, layer.topology, bias)
+
+    assert torch.autograd.gradcheck(fn, (x, layer.values, layer.bias))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    layer = make_layer(12, 10, 0.7, dtype=torch.float32)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = torch.randn(5, 10)
+    y_eager = layer(x)
+    (g_eager,) = torch.autograd.grad(y_eager.square().sum(), layer.values)
+    y_compiled = compiled(x)
+    (g_compiled,) = torch.autograd.grad(y_compiled.square().sum(), layer.values)
+    torch.testing.assert_close(y_compiled, y_eager)
+    torch.testing.assert_close(g_compiled, g_eager)
+
+
+def test_attributes():
+    layer = SparseLinear(40, 30, sparsity=0.75)
+    assert layer.nnz == 300 and layer.values.shape == (300,)
+    assert layer.sparsity == pytest.approx(0.75)
+    idx = layer.indices()
+    assert idx.shape == (2, 300) and idx.dtype == torch.int64
+    dense = layer.to_dense()
+    assert dense.shape == (30, 40) and int((dense != 0).sum()) <= 300
+    assert "nnz=300" in repr(layer) and "sparsity=0.7500" in repr(layer)
+
+
+def test_init_preserves_dense_output_variance():
+    torch.manual_seed(0)
+    x = torch.randn(2048, 1000)
+    dense_var = (x @ nn.Linear(1000, 500).weight.detach().T).var().item()
+    for sparsity in (0.5, 0.9, 0.99):
+        layer = SparseLinear(1000, 500, sparsity=sparsity)
+        with torch.no_grad():
+            sparse_var = (layer(x) - layer.bias).var().item()
+        assert sparse_var == pytest.approx(dense_var, rel=0.15), sparsity
+    assert dense_var == pytest.approx(1 / 3, rel=0.1)
+
+
+def test_from_dense_linear_and_sparsity():
+    linear = nn.Linear(20, 10)
+    layer = SparseLinear.from_dense(linear)
+    torch.testing.assert_close(layer.to_dense(), linear.weight)
+    torch.testing.assert_close(layer.bias, linear.bias)
+    half = SparseLinear.from_dense(linear, sparsity=0.5)
+    assert half.nnz == 100
+    kept_min = half.values.abs().min()
+    dropped = linear.weight.detach().abs() * (half.to_dense() == 0)
+    assert dropped.max() <= kept_min
+
+
+def test_from_coo_sorts_and_validates():
+    layer = SparseLinear.from_coo(torch.tensor([1, 0]), torch.tensor([0, 2]), torch.tensor([5.0, 7.0]), (2, 3))
+    assert layer.row.tolist() == [0, 1] and layer.col.tolist() == [2, 0]
+    assert layer.values.tolist() == [7.0, 5.0]
+    with pytest.raises(ValueError, match="duplicate"):
+        SparseLinear.from_coo(torch.tensor([1, 1]), torch.tensor([0, 0]), torch.tensor([5.0, 7.0]), (2, 3))
+    with pytest.raises(ValueError, match="col index 3 is out of range"):
+        SparseLinear.from_coo(torch.tensor([0]), torch.tensor([3]), torch.tensor([5.0]), (2, 3))
+    with pytest.raises(ValueError, match="same length"):
+        SparseLinear.from_coo(torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([5.0]), (2, 3))
+    with pytest.raises(ValueError, match=r"values must have shape \(2,\)"):
+        SparseLinear.from_coo(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([5.0]), (2, 3))
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(in_features=0, out_features=3), ValueError, "in_features must be in"),
+        (dict(in_features=3, out_features=-1), ValueError, "out_features must be in"),
+        (dict(in_features=3.0, out_features=3), TypeError, "in_features must be an int"),
+        (dict(in_features=3, out_features=3, sparsity=1.0), ValueError, r"sparsity must be in \[0, 1\)"),
+        (dict(in_features=3, out_features=3, sparsity=-0.5), ValueError, r"sparsity must be in \[0, 1\)"),
+        (dict(in_features=3, out_features=3, sparsity="high"), TypeError, "sparsity must be a float"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        SparseLinear(**kwargs)
+
+
+def test_forward_rejects_bad_input():
+    layer = SparseLinear(8, 4)
+    with pytest.raises(ValueError, match=r"input must have shape \(\*, 8\), got \(2, 7\)"):
+        layer(torch.randn(2, 7))
+    with pytest.raises(TypeError, match="input dtype torch.float64 does not match the layer's torch.float32"):
+        layer(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"got \(\)"):
+        layer(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="expects a Tensor"):
+        layer([1.0] * 8)
+
+
+def test_set_topology_rejects_bad_input_and_changes_nothing():
+    layer = make_layer(6, 5, 0.5)
+    before = {k: v.clone() for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}
+    values_param = layer.values
+    bad_calls = [
+        (torch.tensor([0, 0]), torch.tensor([1, 1]), None),  # duplicate
+        (torch.tensor([0, 9]), torch.tensor([1, 1]), None),  # out of range
+        (torch.tensor([0, 1]), torch.tensor([1, 1]), torch.zeros(3, dtype=torch.float64)),  # wrong length
+        (torch.tensor([0, 1]), torch.tensor([1, 1]), torch.zeros(2, dtype=torch.float32)),  # wrong dtype
+    ]
+    for row, col, values in bad_calls:
+        with pytest.raises((ValueError, TypeError)):
+            layer.set_topology(row, col, values)
+    assert layer.values is values_param
+    for key, value in layer.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, before[key]), key
+
+
+def test_set_topology_keeps_parameter_and_refreshes_cache():
+    layer = make_layer(6, 5, 0.5)
+    param, old_rowptr = layer.values, layer.topology.rowptr
+    layer.set_topology(torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([4, 0, 2], dtype=torch.int32))
+    assert layer.values is param and layer.nnz == 3 and torch.equal(layer.values, torch.zeros(3, dtype=torch.float64))
+    assert layer.topology.rowptr.tolist() == [0, 1, 1, 1, 2, 2, 3]
+    assert layer.topology.rowptr is not old_rowptr
+
+
+# ---------------------------------------------------------------------- serialisation and moves
+
+
+def test_state_dict_round_trip_with_different_nnz():
+    source, target = make_layer(10, 8, 0.3, seed=1), make_layer(10, 8, 0.9, seed=2)
+    assert source.nnz != target.nnz
+    param = target.values
+    target.load_state_dict(source.state_dict())
+    assert target.values is param  # optimizers holding it stay valid
+    assert torch.equal(target.row, source.row) and torch.equal(target.col, source.col)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(target(x), source(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("corrupt", ["shape", "duplicate", "values_length", "out_of_range"])
+def test_bad_state_dict_is_rejected_and_changes_nothing(corrupt):
+    layer = make_layer(10, 8, 0.5)
+    before = copy.deepcopy(layer.state_dict())
+    if corrupt == "shape":
+        state = make_layer(8, 10, 0.5).state_dict()
+    else:
+        state = copy.deepcopy(before)
+        if corrupt == "duplicate":
+            state["col"][1], state["row"][1] = state["col"][0], state["row"][0]
+        elif corrupt == "values_length":
+            state["values"] = state["values"][:-1]
+        else:
+            state["row"][-1] = 10
+    with pytest.raises(RuntimeError, match="While loading SparseLinear"):
+        layer.load_state_dict(state)
+    for key, value in layer.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, before[key]), key
+
+
+def test_state_dict_missing_keys_reported():
+    layer = make_layer(4, 4, 0.5)
+    state = layer.state_dict()
+    del state["col"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        layer.load_state_dict(state)
+
+
+def test_to_dtype_deepcopy_and_pickle():
+    layer = make_layer(9, 7, 0.5)
+    x = torch.randn(2, 7, dtype=torch.float64)
+    _ = layer.topology.csc_perm  # populate the cache; copies must not share stale data
+    as_float = copy.deepcopy(layer).to(torch.float32)
+    assert as_float.values.dtype == torch.float32 and as_float.row.dtype == torch.int32
+    torch.testing.assert_close(as_float(x.float()), layer(x).float())
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        torch.testing.assert_close(clone(x), layer(x), rtol=0, atol=0)
+        assert clone.values is not layer.values
+
+
+# ---------------------------------------------------------------------- sparsify / densify
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Sequential(nn.Linear(30, 30), nn.Tanh()), nn.Linear(30, 5))
+
+
+def test_sparsify_replaces_linears_keeping_largest_weights():
+    model = _mlp()
+    original = copy.deepcopy(model)
+    result = snack.sparsify(model, sparsity=0.8)
+    assert result is model
+    layers = [model[0], model[2][0], model[3]]
+    assert all(isinstance(layer, SparseLinear) for layer in layers)
+    for layer, dense in zip(layers, [original[0], original[2][0], original[3]]):
+        expected = SparseLinear.from_dense(dense, sparsity=0.8)
+        assert torch.equal(layer.to_dense(), expected.to_dense())
+        assert torch.equal(layer.bias, dense.bias)
+
+
+def test_sparsify_at_zero_sparsity_is_exact():
+    model = _mlp()
+    x = torch.randn(4, 20)
+    expected = model(x)
+    torch.testing.assert_close(snack.sparsify(model, sparsity=0.0)(x), expected)
+
+
+def test_sparsify_include_exclude_and_random_init():
+    model = snack.sparsify(_mlp(), sparsity=0.5, exclude="3", init="random")
+    assert isinstance(model[0], SparseLinear) and isinstance(model[2][0], SparseLinear)
+    assert isinstance(model[3], nn.Linear)
+    model = snack.sparsify(_mlp(), sparsity=0.5, include=["2.*"])
+    assert isinstance(model[2][0], SparseLinear) and isinstance(model[0], nn.Linear)
+
+
+def test_sparsify_a_bare_linear_returns_a_new_layer():
+    layer = snack.sparsify(nn.Linear(6, 4), sparsity=0.5)
+    assert isinstance(layer, SparseLinear) and layer.nnz == 12
+
+
+def test_sparsify_rejects_bad_arguments():
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
+        snack.sparsify(model, sparsity=1.2)
+    with pytest.raises(ValueError, match="distribution must be one of"):
+        snack.sparsify(model, distribution="gaussian")
+    with pytest.raises(ValueError, match="init must be"):
+        snack.sparsify(model, init="zeros")
+    assert all(isinstance(m, nn.Linear) for m in (model[0], model[2][0], model[3]))
+
+
+def test_densify_round_trip():
+    model = snack.sparsify(_mlp(), sparsity=0.7)
+    x = torch.randn(3, 20)
+    expected = model(x)
+    dense = snack.densify(model)
+    assert not any(isinstance(m, SparseLinear) for m in dense.modules())
+    torch.testing.assert_close(dense(x), expected)
+
+
+def test_sparsify_gpt2_conv1d():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    conv_weight = model.transformer.h[0].mlp.c_fc.weight.detach().clone()  # (in, out)
+    snack.sparsify(model, sparsity=0.0, exclude="lm_head")
+    mlp = model.transformer.h[0].mlp
+    assert isinstance(mlp.c_fc, SparseLinear) and (mlp.c_fc.in_features, mlp.c_fc.out_features) == (32, 128)
+    assert torch.equal(mlp.c_fc.to_dense(), conv_weight.t())
+    assert isinstance(model.lm_head, nn.Linear)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)

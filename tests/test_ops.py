@@ -1,0 +1,130 @@
+"""The custom ops: schemas (opcheck), gradients, dispatch to backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import snack
+from snack import backends
+from snack.topology import Topology, random_coo
+
+from conftest import make_layer
+
+
+def _case(out_features=9, in_features=7, batch=4, sparsity=0.6, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    topo = Topology(*random_coo(out_features, in_features, sparsity, generator=generator), (out_features, in_features))
+    values = torch.randn(topo.nnz, dtype=dtype, generator=generator)
+    x = torch.randn(batch, in_features, dtype=dtype, generator=generator)
+    dy = torch.randn(batch, out_features, dtype=dtype, generator=generator)
+    return topo, values, x, dy
+
+
+def _dense(topo, values):
+    weight = torch.zeros(topo.shape, dtype=values.dtype)
+    weight[topo.row.long(), topo.col.long()] = values
+    return weight
+
+
+def test_ops_match_dense_math():
+    topo, values, x, dy = _case()
+    weight = _dense(topo, values)
+    torch.testing.assert_close(snack.ops.spmm(x, values, topo), x @ weight.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(snack.ops.spmm_t(dy, values, topo), dy @ weight, rtol=0, atol=1e-12)
+    full_grad = dy.T @ x
+    torch.testing.assert_close(
+        snack.ops.sddmm(dy, x, topo), full_grad[topo.row.long(), topo.col.long()], rtol=0, atol=1e-12
+    )
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm"])
+@pytest.mark.parametrize("sparsity", [0.0, 0.6, 0.95])
+def test_opcheck(op, sparsity):
+    topo, values, x, dy = _case(sparsity=sparsity)
+    first, second = {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x)}[op]
+    args = (first.requires_grad_(), second.requires_grad_(), *topo.tensors())
+    torch.library.opcheck(getattr(torch.ops.snack, op).default, args)
+
+
+def test_opcheck_empty_topology():
+    empty = torch.empty(0, dtype=torch.int32)
+    topo = Topology(empty, empty, (5, 3))
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    values = torch.empty(0, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.snack.spmm.default, (x, values, *topo.tensors()))
+    assert torch.equal(snack.ops.spmm(x, values, topo), torch.zeros(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm"])
+def test_gradcheck_and_gradgradcheck(op):
+    topo, values, x, dy = _case(out_features=6, in_features=5, batch=3)
+    fn = getattr(snack.ops, op)
+    first, second = {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x)}[op]
+    inputs = (first.requires_grad_(), second.requires_grad_())
+    assert torch.autograd.gradcheck(lambda a, b: fn(a, b, topo), inputs)
+    assert torch.autograd.gradgradcheck(lambda a, b: fn(a, b, topo), inputs)
+
+
+def test_backward_saves_only_what_is_needed():
+    topo, values, x, _ = _case()
+    values.requires_grad_()
+    y = snack.ops.spmm(x, values, topo)  # x needs no grad -> values need not be saved
+    (grad_values,) = torch.autograd.grad(y.sum(), values)
+    torch.testing.assert_close(grad_values, snack.ops.sddmm(torch.ones_like(y), x, topo))
+
+
+def test_op_rejects_mismatched_inputs():
+    topo, values, x, dy = _case()
+    with pytest.raises(ValueError, match=r"x must have shape \(B, 7\)"):
+        snack.ops.spmm(dy, values, topo)
+    with pytest.raises(ValueError, match="values must have shape"):
+        snack.ops.spmm(x, values[:-1], topo)
+    with pytest.raises(TypeError, match="share a dtype"):
+        snack.ops.spmm(x.float(), values, topo)
+
+
+def test_use_backend_forces_and_restores():
+    layer = make_layer(8, 6, 0.5)
+    calls = []
+    reference = backends.get_backend("reference")
+
+    class Recording:
+        supports = staticmethod(reference.supports)
+
+        def spmm(self, *args):
+            calls.append("spmm")
+            return reference.spmm(*args)
+
+        spmm_t = staticmethod(reference.spmm_t)
+        sddmm = staticmethod(reference.sddmm)
+
+    backends.register_backend("recording", Recording)
+    try:
+        x = torch.randn(2, 6, dtype=torch.float64)
+        with snack.use_backend("recording"):
+            layer(x)
+        assert calls == ["spmm"]
+        layer(x)
+        assert calls == ["spmm"]  # restored on exit
+    finally:
+        backends.unregister_backend("recording")
+
+
+def test_use_backend_unknown_name():
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        with snack.use_backend("nope"):
+            pass
+
+
+def test_failing_backend_is_reported_not_silent():
+    def broken():
+        raise ImportError("compiler not found")
+
+    backends.register_backend("broken", broken)
+    try:
+        with pytest.raises(backends.BackendUnavailableError, match="compiler not found"):
+            with snack.use_backend("broken"):
+                pass
+    finally:
+        backends.unregister_backend("broken")

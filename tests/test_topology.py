@@ -1,0 +1,113 @@
+"""The sparse format: construction, validation, derived data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snack.topology import Topology, coo_from_dense, random_coo, validate_coo
+
+
+def _assert_sorted_unique_in_range(row, col, shape):
+    assert row.dtype == torch.int32 and col.dtype == torch.int32
+    validate_coo(row, col, shape)  # raises on any violation
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 40), (300, 200)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.9, 0.99])
+def test_random_coo_has_exact_nnz_and_valid_coordinates(shape, sparsity):
+    row, col = random_coo(*shape, sparsity)
+    total = shape[0] * shape[1]
+    assert row.numel() == max(1, round((1 - sparsity) * total))
+    _assert_sorted_unique_in_range(row, col, shape)
+
+
+def test_random_coo_is_uniform_over_positions():
+    # each of the 20 positions is kept with probability 1/4; 4000 draws -> mean 1000, sd ~27
+    counts = torch.zeros(4, 5)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4000):
+        row, col = random_coo(4, 5, 0.75, generator=generator)
+        counts[row.long(), col.long()] += 1
+    assert counts.sum() == 4000 * 5
+    assert (counts - 1000).abs().max() < 150
+
+
+def test_random_coo_is_reproducible_with_a_generator():
+    a = random_coo(50, 60, 0.9, generator=torch.Generator().manual_seed(3))
+    b = random_coo(50, 60, 0.9, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_random_coo_huge_layer_is_sparse_in_memory():
+    row, col = random_coo(100_000, 100_000, 0.9999)
+    assert row.numel() == 1_000_000
+    _assert_sorted_unique_in_range(row, col, (100_000, 100_000))
+
+
+def test_coo_from_dense_keeps_nonzeros():
+    weight = torch.tensor([[0.0, 2.0, 0.0], [-1.0, 0.0, 3.0]])
+    row, col, values = coo_from_dense(weight)
+    assert row.tolist() == [0, 1, 1] and col.tolist() == [1, 0, 2]
+    assert values.tolist() == [2.0, -1.0, 3.0]
+
+
+def test_coo_from_dense_keeps_largest_magnitudes():
+    weight = torch.tensor([[0.1, -5.0, 0.2], [4.0, -0.3, 3.0]])
+    row, col, values = coo_from_dense(weight, sparsity=0.5)
+    assert list(zip(row.tolist(), col.tolist())) == [(0, 1), (1, 0), (1, 2)]
+    assert values.tolist() == [-5.0, 4.0, 3.0]
+
+
+def test_topology_derived_data_matches_definitions():
+    row, col = random_coo(37, 23, 0.8, generator=torch.Generator().manual_seed(1))
+    topo = Topology(row, col, (37, 23))
+    counts_by_row = torch.bincount(row.long(), minlength=37)
+    assert torch.equal(topo.rowptr[1:] - topo.rowptr[:-1], counts_by_row.int())
+    perm = topo.csc_perm.long()
+    assert sorted(perm.tolist()) == list(range(topo.nnz))
+    key = col[perm].long() * 37 + row[perm].long()  # column-major order
+    assert bool((key[1:] > key[:-1]).all())
+    assert torch.equal(topo.colptr[1:] - topo.colptr[:-1], torch.bincount(col.long(), minlength=23).int())
+
+
+def test_topology_derived_data_is_computed_once():
+    topo = Topology(*random_coo(10, 10, 0.5), (10, 10))
+    assert topo.rowptr is topo.rowptr and topo.csc_perm is topo.csc_perm and topo.colptr is topo.colptr
+
+
+def test_empty_topology():
+    empty = torch.empty(0, dtype=torch.int32)
+    topo = Topology(empty, empty, (3, 4))
+    assert topo.nnz == 0
+    assert topo.rowptr.tolist() == [0, 0, 0, 0] and topo.colptr.tolist() == [0] * 5
+    assert topo.csc_perm.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "row, col, shape, message",
+    [
+        ([0, 1], [0], (2, 2), "same length"),
+        ([0, 2], [0, 0], (2, 2), "row index 2 is out of range"),
+        ([0, 1], [0, -1], (2, 2), "col index -1 is out of range"),
+        ([0, 0], [1, 1], (2, 2), "duplicate coordinate"),
+        ([1, 0], [0, 0], (2, 2), "sorted"),
+        ([0], [0], (0, 2), "out_features must be in"),
+    ],
+)
+def test_validate_coo_rejects_bad_coordinates(row, col, shape, message):
+    with pytest.raises(ValueError, match=message):
+        validate_coo(torch.tensor(row), torch.tensor(col), shape)
+
+
+def test_validate_coo_rejects_bad_types():
+    with pytest.raises(TypeError, match="int32 or int64"):
+        validate_coo(torch.tensor([0.0]), torch.tensor([0]), (1, 1))
+    with pytest.raises(ValueError, match="1-D"):
+        validate_coo(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), (1, 1))
+
+
+@pytest.mark.parametrize("sparsity", [-0.1, 1.0, 1.5, float("nan")])
+def test_random_coo_rejects_bad_sparsity(sparsity):
+    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
+        random_coo(4, 4, sparsity)
