@@ -5,7 +5,8 @@ The model is ``in → width → width → 10`` with ReLU, made sparse by
 ``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
 (``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
-and prints a side-by-side table.
+and prints a side-by-side table. The models train in lockstep on the same batches, so timing
+noise from a shared machine hits all of them alike.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 import snack
 from snack.data import Digits, load_digits
 
-__all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_model"]
+__all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_models"]
 
 ALGORITHMS = ("rigl", "set", "static")
 
@@ -107,58 +108,78 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
     return correct / len(y)
 
 
-def train_model(
-    name: str, model: nn.Module, data: Digits, args: argparse.Namespace, algorithm: str | None
-) -> Result:
-    """Train ``model`` with AdamW on ``data`` (data order from ``args.seed``); ``algorithm`` rewires
-    its SparseLinear layers (``None``/``"static"``: fixed topology)."""
+class _Run:
+    """One model being trained: AdamW, optional DST, and the wall time of each of its steps."""
+
+    def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, algorithm: str | None, total_steps: int):
+        self.name, self.model = name, model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        self.dst = None
+        if algorithm in ("rigl", "set"):
+            cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
+            self.dst = cls(
+                model, self.optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
+                total_steps=total_steps, seed=args.seed,
+            )
+        self.step_seconds: list[float] = []
+        self.updates = 0
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        start = time.perf_counter()
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        if self.dst is not None:
+            self.updates += self.dst.step()
+        self.step_seconds.append(time.perf_counter() - start)
+        return loss.item()
+
+
+def train_models(
+    models: list[tuple[str, nn.Module, str | None]], data: Digits, args: argparse.Namespace
+) -> list[Result]:
+    """Train each ``(name, model, algorithm)`` with AdamW on the same batches in the same order
+    (from ``args.seed``); ``algorithm`` ``"rigl"``/``"set"`` rewires the SparseLinear layers.
+
+    The models take their steps in turn, batch by batch, so a slowdown of the machine hits them
+    alike; each step is timed on its own (forward, backward, optimizer and DST step).
+    """
     n = len(data.y_train)
-    steps_per_epoch = math.ceil(n / args.batch_size)
-    total_steps = steps_per_epoch * args.epochs
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    dst = None
-    if algorithm in ("rigl", "set"):
-        cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
-        dst = cls(
-            model, optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
-            total_steps=total_steps, seed=args.seed,
-        )
+    total_steps = math.ceil(n / args.batch_size) * args.epochs
+    runs = [_Run(name, model, args, algorithm, total_steps) for name, model, algorithm in models]
     order_rng = torch.Generator().manual_seed(args.seed)
-    loss_fn = nn.CrossEntropyLoss()
-    updates = 0
-    bar = _progress(total_steps, name, args.no_progress)
-    start = time.perf_counter()
+    bar = _progress(total_steps, args.no_progress)
     for epoch in range(args.epochs):
         order = torch.randperm(n, generator=order_rng)
         for first in range(0, n, args.batch_size):
             batch = order[first : first + args.batch_size]
-            loss = loss_fn(model(data.x_train[batch]), data.y_train[batch])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if dst is not None:
-                updates += dst.step()
+            x, y = data.x_train[batch], data.y_train[batch]
+            losses = {run.name: f"{run.step(x, y):.3f}" for run in runs}
             bar.update(1)
-        bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
-    train_seconds = time.perf_counter() - start
+        bar.set_postfix(epoch=epoch + 1, **losses)
     bar.close()
-    if dst is not None:
-        dst.remove()
-    return Result(
-        name=name,
-        accuracy=accuracy(model, data.x_test, data.y_test),
-        ms_per_step=1e3 * train_seconds / total_steps,
-        train_seconds=train_seconds,
-        state_bytes=state_bytes(model, optimizer),
-        steps=total_steps,
-        topology_updates=updates,
-    )
+    results = []
+    for run in runs:
+        if run.dst is not None:
+            run.dst.remove()
+        seconds = sorted(run.step_seconds)
+        results.append(Result(
+            name=run.name,
+            accuracy=accuracy(run.model, data.x_test, data.y_test),
+            ms_per_step=1e3 * seconds[len(seconds) // 2],
+            train_seconds=sum(seconds),
+            state_bytes=state_bytes(run.model, run.optimizer),
+            steps=total_steps,
+            topology_updates=run.updates,
+        ))
+    return results
 
 
-def _progress(total: int, name: str, disable: bool):
+def _progress(total: int, disable: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{name:>10}", unit="step", disable=disable, file=sys.stderr, leave=False)
+    return tqdm(total=total, desc="training", unit="step", disable=disable, file=sys.stderr)
 
 
 def _peak_rss_mib() -> float:
@@ -195,14 +216,14 @@ def run(args: argparse.Namespace) -> int:
     masked = dense_plus_mask(sparse) if args.compare else None
 
     label = f"{args.algorithm} {args.sparsity:.0%}"
-    results = [train_model(label, sparse, data, args, args.algorithm)]
+    models = [(label, sparse, args.algorithm)]
     if args.compare:
-        results.append(train_model("dense", dense_init, data, args, None))
-        results.append(train_model("dense+mask", masked, data, args, None))
+        models += [("dense", dense_init, None), ("dense+mask", masked, None)]
+    results = train_models(models, data, args)
 
     main = results[0]
     print(
-        f"{label}: held-out accuracy {main.accuracy:.4f}, {main.ms_per_step:.1f} ms/step "
+        f"{label}: held-out accuracy {main.accuracy:.4f}, {main.ms_per_step:.1f} ms/step (median) "
         f"({main.steps} steps, {main.topology_updates} topology updates), "
         f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB, peak RSS {_peak_rss_mib():.0f} MiB"
     )
@@ -212,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(results: list[Result]) -> str:
-    header = "| model | held-out accuracy | ms/step | train time (s) | weights+optimizer (MiB) |"
+    header = "| model | held-out accuracy | ms/step (median) | train time (s) | weights+optimizer (MiB) |"
     lines = [header, "|---|---:|---:|---:|---:|"]
     for r in results:
         lines.append(

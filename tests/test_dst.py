@@ -51,13 +51,19 @@ def _check_invariants(layer, nnz):
     assert torch.equal(layer.col[topo.csc_perm.long()], layer.col.sort().values)
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
-def test_invariants_hold_after_many_updates(algorithm):
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [(snack.dst.SET, {}), (snack.dst.SET, {"split_sign": True, "grow_init": "random"}), (snack.dst.RigL, {})],
+    ids=["set", "set-split-sign", "rigl"],
+)
+def test_invariants_hold_after_many_updates(algorithm, options):
     model = _model()
     layers = _sparse_layers(model)
     nnz = [m.nnz for m in layers]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dst = algorithm(model, opt, drop_fraction=0.3, update_every=2, total_steps=80, stop_fraction=1.0, schedule="constant")
+    dst = algorithm(
+        model, opt, drop_fraction=0.3, update_every=2, total_steps=80, stop_fraction=1.0, schedule="constant", **options
+    )
     assert _train(model, opt, dst, _batches(80)) == 40
     for layer, n in zip(layers, nnz):
         _check_invariants(layer, n)
