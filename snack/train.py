@@ -1,7 +1,7 @@
 """``snack train``: train a sparse MLP with dynamic sparse training on real MNIST digits.
 
 The model is ``in → width → width → 10`` with ReLU, made sparse by
-``snack.sparsify(..., distribution=...)`` and trained with AdamW while RigL or SET (or nothing,
+``snack.sparsify(..., distribution=...)`` and trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing,
 ``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
 (``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=float, default=0.9, help="overall sparsity of the linear layers (default: 0.9)")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
-    parser.add_argument("--epochs", type=int, default=5, help="passes over the training set (default: 5)")
+    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default: 10)")
     parser.add_argument("--width", type=int, default=1024, help="hidden layer width (default: 1024)")
     parser.add_argument("--batch-size", type=int, default=64, help="training batch size (default: 64)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default: 2e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
     parser.add_argument("--drop-fraction", type=float, default=0.3, help="DST drop fraction (default: 0.3)")
     parser.add_argument("--update-every", type=int, default=50, help="steps between DST updates (default: 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data order and DST (default: 0)")
@@ -109,11 +109,14 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
 
 
 class _Run:
-    """One model being trained: AdamW, optional DST, and the wall time of each of its steps."""
+    """One model being trained: AdamW with a cosine learning-rate decay, optional DST, and the
+    wall time of each of its steps."""
 
     def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, algorithm: str | None, total_steps: int):
         self.name, self.model = name, model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        # cosine decay of the learning rate to 0 over training; DST keeps the scheduler valid
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=total_steps)
         self.dst = None
         if algorithm in ("rigl", "set"):
             cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
@@ -130,6 +133,7 @@ class _Run:
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
+        self.scheduler.step()
         if self.dst is not None:
             self.updates += self.dst.step()
         self.step_seconds.append(time.perf_counter() - start)

@@ -376,3 +376,14 @@ def test_gradual_pruning_follows_the_cubic_schedule():
             assert opt.state[layer.values]["exp_avg"].shape == (layer.nnz,)
     total = sum(m.out_features * m.in_features for m in layers)
     assert abs(1 - sum(m.nnz for m in layers) / total - 0.9) < 0.01
+
+
+def test_grow_init_random_draws_new_weights_within_the_layer_init_bound():
+    layer = snack.SparseLinear(10, 8, sparsity=0.5)
+    old_key = linear_index(layer.topology)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, update_every=1, total_steps=10, schedule="constant", grow_init="random")
+    assert dst.step()
+    new = ~torch.isin(linear_index(layer.topology), old_key)
+    bound = 1 / (layer.nnz / layer.out_features) ** 0.5
+    assert bool((layer.values[new] != 0).all()) and bool((layer.values[new].abs() <= bound).all())
