@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
     shapes = " · ".join(f"{m.out_features}×{m.in_features} {1 - m.sparsity:.3f}" for m in layers)
     print(f"model: MLP {in_features}-{args.width}-{args.width}-10, {args.distribution} densities: {shapes}")
+    print(f"sparse kernels: snack backend {snack.backends.default_backend_name('cpu')!r}")
     masked = dense_plus_mask(sparse) if args.compare else None
 
     label = f"{args.algorithm} {args.sparsity:.0%}"
