@@ -4,7 +4,7 @@ Layers store and compute only their non-zero connections, train with sparse back
 and can rewire during training, without ever building a dense weight, mask or gradient.
 """
 
-from snack import ops
+from snack import dst, ops
 from snack.backends import available_backends, use_backend
 from snack.nn import SparseLinear, densify, sparsify
 from snack.topology import Topology
@@ -16,6 +16,7 @@ __all__ = [
     "Topology",
     "available_backends",
     "densify",
+    "dst",
     "ops",
     "sparsify",
     "use_backend",

@@ -1,4 +1,23 @@
-"""How a global sparsity is spread over the layers of a model (``sparsify(distribution=...)``)."""
+"""How a global sparsity is spread over the layers of a model (``sparsify(distribution=...)``).
+
+* ``"uniform"``: every layer gets the same sparsity.
+* ``"erk"``: Erdős–Rényi-Kernel (Evci et al., *Rigging the Lottery*, 2020; for linear layers it is
+  the Erdős–Rényi rule of Mocanu et al., 2018). A layer of shape ``(out, in)`` gets density
+
+      d_l = ε · (out_l + in_l) / (out_l · in_l)
+
+  i.e. about ``ε · (out + in)`` connections, so narrow layers (a 10-wide classifier) stay denser
+  and wide square layers get sparser. ``ε`` is chosen so the model keeps exactly the global
+  number of connections:
+
+      Σ_l d_l · n_l = (1 - s) · Σ_l n_l,   n_l = out_l · in_l
+      ⇒ ε = ((1 - s) · Σ_l n_l) / Σ_l (out_l + in_l)
+
+  A density above 1 is impossible, so such layers are made fully dense (density 1), their
+  connections are taken out of the budget, and ε is solved again over the remaining layers;
+  repeat until no layer exceeds 1 (at most one round per layer, since each round makes at least
+  one more layer dense and the budget of the rest only shrinks by what those layers hold).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +25,43 @@ from snack.topology import check_sparsity
 
 DISTRIBUTIONS = ("uniform", "erk")
 
+__all__ = ["DISTRIBUTIONS", "erk_densities", "layer_sparsities"]
+
+
+def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[str, float]:
+    """ERK density per layer (name → ``(out, in)``) so the layers together keep ``density``.
+
+    Returns name → density in ``(0, 1]``; ``Σ d_l · n_l = density · Σ n_l`` (up to float error).
+    """
+    sizes = {name: out * in_ for name, (out, in_) in shapes.items()}
+    raw = {name: (out + in_) / (out * in_) for name, (out, in_) in shapes.items()}
+    budget = density * sum(sizes.values())
+    dense: set[str] = set()
+    while True:
+        free = [name for name in shapes if name not in dense]
+        if not free:
+            return {name: 1.0 for name in shapes}
+        remaining = budget - sum(sizes[name] for name in dense)
+        # Σ_free ε · raw_l · n_l = remaining, and raw_l · n_l = out_l + in_l
+        epsilon = remaining / sum(raw[name] * sizes[name] for name in free)
+        over = [name for name in free if epsilon * raw[name] > 1.0]
+        if not over:
+            result = {name: epsilon * raw[name] for name in free}
+            result.update({name: 1.0 for name in dense})
+            return {name: result[name] for name in shapes}
+        dense.update(over)
+
 
 def layer_sparsities(shapes: dict[str, tuple[int, int]], sparsity: float, distribution: str) -> dict[str, float]:
     """Per-layer sparsity for layers of ``shapes`` (name → ``(out, in)``) at overall ``sparsity``.
 
-    * ``"uniform"``: every layer gets ``sparsity``.
+    See the module docstring for the distributions. The result is name → sparsity in ``[0, 1)``;
+    a layer ERK makes fully dense gets ``0.0``.
     """
     sparsity = check_sparsity(sparsity)
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-    if distribution == "erk":
-        raise NotImplementedError("distribution='erk' is not available yet; use distribution='uniform'")
-    return {name: sparsity for name in shapes}
+    if distribution == "uniform" or not shapes:
+        return {name: sparsity for name in shapes}
+    densities = erk_densities(shapes, 1.0 - sparsity)
+    return {name: max(0.0, 1.0 - d) for name, d in densities.items()}

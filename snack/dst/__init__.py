@@ -1,0 +1,36 @@
+"""Dynamic Sparse Training on truly sparse layers: SET, RigL, gradual pruning.
+
+Connections are pruned and regrown in the sparse format itself; no dense weight, mask or
+gradient is ever built. Usage::
+
+    model = snack.sparsify(net, sparsity=0.9, distribution="erk")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=100, total_steps=T)
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        dst.step()          # True when the topology changed
+
+Modules: :mod:`~snack.dst.prune_grow` (drop/grow primitives), :mod:`~snack.dst.update` (the
+generic update), :mod:`~snack.dst.optim_state` (optimizer state remap),
+:mod:`~snack.dst.schedules`, :mod:`~snack.dst.capture` (X/dY hooks for RigL),
+:mod:`~snack.dst.algorithms`.
+"""
+
+from snack.dst.algorithms import SET, DynamicSparsity, GradualPruning, RigL
+from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
+from snack.dst.schedules import DropSchedule, cubic_sparsity
+from snack.dst.update import rewire
+
+__all__ = [
+    "SET",
+    "DropSchedule",
+    "DynamicSparsity",
+    "GradualPruning",
+    "RigL",
+    "cubic_sparsity",
+    "gradient_grow",
+    "magnitude_drop",
+    "random_grow",
+    "rewire",
+]

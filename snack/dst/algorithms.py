@@ -1,0 +1,381 @@
+"""SET, RigL and gradual magnitude pruning: drop/grow scores plus a schedule.
+
+All three share :class:`DynamicSparsity` (layer discovery, argument checks, step counter,
+seeded RNG, ``state_dict``) and :func:`snack.dst.update.rewire` (the update itself). They differ
+only in how many connections each update replaces and in their drop and grow scores:
+
+=============== ============================== ========================================
+algorithm       drop                           grow
+=============== ============================== ========================================
+SET             lowest ``|w|`` (or sign split) uniformly random inactive positions
+RigL            lowest ``|w|``                 largest ``|∂L/∂W|`` at inactive positions
+GradualPruning  lowest ``|w|``, nnz shrinks    nothing
+=============== ============================== ========================================
+
+Growth is among positions inactive *before* the drop, so a connection dropped in an update is
+never regrown in the same update (the issue's rule; RigL's reference code may regrow one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from snack.dst.capture import GradientCapture
+from snack.dst.optim_state import check_optimizer, check_state
+from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
+from snack.dst.schedules import SCHEDULES, DropSchedule, cubic_sparsity
+from snack.dst.update import rewire
+from snack.nn import SparseLinear
+from snack.topology import check_sparsity
+
+__all__ = ["RigL", "SET", "DynamicSparsity", "GradualPruning"]
+
+GROW_INITS = ("zero", "random")
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_fraction(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    named = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+    if layers is None:
+        found = list(named.items())
+    else:
+        if isinstance(layers, (str, nn.Module)):
+            layers = [layers]
+        by_id = {id(m): name for name, m in named.items()}
+        found = []
+        for item in layers:
+            if isinstance(item, str):
+                if item not in named:
+                    raise ValueError(f"layers: {item!r} is not a SparseLinear of the model (have {sorted(named)})")
+                found.append((item, named[item]))
+            elif isinstance(item, SparseLinear) and id(item) in by_id:
+                found.append((by_id[id(item)], item))
+            else:
+                raise ValueError(f"layers: {item!r} is not a SparseLinear of the model")
+        if len({name for name, _ in found}) != len(found):
+            raise ValueError("layers: a layer is listed twice")
+    if not found:
+        raise ValueError("the model has no SparseLinear layers to act on: call snack.sparsify(model, ...) first")
+    return found
+
+
+class DynamicSparsity:
+    """Base of the DST algorithms: call :meth:`step` once after every ``optimizer.step()``.
+
+    Subclasses implement ``_is_update_step(t)`` and ``_plan(t, index, name, layer)`` → ``(drop,
+    grow, grow_values)`` for one layer, without side effects except drawing from
+    ``self.generator``.
+    """
+
+    _needs_gradient = False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int):
+        self.layers = _find_layers(model, layers)
+        check_optimizer(optimizer, {name: layer.values for name, layer in self.layers})
+        self.optimizer = optimizer
+        self.seed = _check_int(seed, "seed", 0)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.step_count = 0
+        self._capture = GradientCapture([layer for _, layer in self.layers]) if self._needs_gradient else None
+
+    # -------------------------------------------------------------- public
+
+    def step(self) -> bool:
+        """Advance one training step; update the topology if this is an update step.
+
+        Returns ``True`` when some layer's topology changed. On error nothing changes (layers,
+        optimizer, step counter, RNG).
+        """
+        step = self.step_count + 1
+        changed = False
+        if self._is_update_step(step):
+            changed = self._update(step)
+        self.step_count = step
+        self._arm()
+        return changed
+
+    def state_dict(self) -> dict:
+        """Step counter, RNG state and configuration: with the model's and optimizer's state
+        dicts, enough to resume bitwise."""
+        return {
+            "algorithm": type(self).__name__,
+            "layers": [name for name, _ in self.layers],
+            "config": self._config(),
+            "step": self.step_count,
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output of the same algorithm with the same configuration."""
+        expected = {"algorithm": type(self).__name__, "layers": [name for name, _ in self.layers], "config": self._config()}
+        for key, value in expected.items():
+            if state.get(key) != value:
+                raise ValueError(f"cannot load DST state: {key} is {state.get(key)!r}, this object has {value!r}")
+        step = _check_int(state["step"], "step", 0)
+        self.generator.set_state(state["generator"])
+        self.step_count = step
+        self._arm()
+
+    def remove(self) -> None:
+        """Remove the gradient-capture hooks (the object must not be stepped afterwards)."""
+        if self._capture is not None:
+            self._capture.disarm()
+
+    # -------------------------------------------------------------- machinery
+
+    def _config(self) -> dict:
+        raise NotImplementedError
+
+    def _is_update_step(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def _plan(self, step: int, index: int, name: str, layer: SparseLinear) -> tuple[Tensor, Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def _arm(self) -> None:
+        """Record X and dY during the next step only if it is an update step (RigL)."""
+        if self._capture is None:
+            return
+        if self._is_update_step(self.step_count + 1):
+            self._capture.clear()
+            self._capture.arm()
+        else:
+            self._capture.disarm()
+
+    def _update(self, step: int) -> bool:
+        for name, layer in self.layers:
+            check_state(self.optimizer, layer.values, name)
+        rng_state = self.generator.get_state()
+        try:
+            plans = [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]
+        except Exception:
+            self.generator.set_state(rng_state)
+            raise
+        changed = False
+        for (name, layer), (drop, grow, grow_values) in zip(self.layers, plans):
+            if drop.numel() or grow.numel():
+                rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
+                changed = True
+        return changed
+
+
+class _DropGrow(DynamicSparsity):
+    """Shared by SET and RigL: replace a scheduled fraction of each layer's connections."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        drop_fraction: float = 0.3,
+        update_every: int = 100,
+        total_steps: int,
+        stop_fraction: float = 0.75,
+        schedule: str = "cosine",
+        grow_init: str = "zero",
+        layers: Iterable[str | SparseLinear] | None = None,
+        seed: int = 0,
+    ):
+        drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
+        update_every = _check_int(update_every, "update_every", 1)
+        total_steps = _check_int(total_steps, "total_steps", 1)
+        stop_fraction = _check_fraction(stop_fraction, "stop_fraction")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if grow_init not in GROW_INITS:
+            raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
+        self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)
+        self.grow_init = grow_init
+        super().__init__(model, optimizer, layers=layers, seed=seed)
+        self._arm()
+
+    def _config(self) -> dict:
+        s = self.schedule
+        return {
+            "drop_fraction": s.drop_fraction, "update_every": s.update_every, "total_steps": s.total_steps,
+            "stop_fraction": s.stop_fraction, "schedule": s.kind, "grow_init": self.grow_init,
+        }
+
+    def _is_update_step(self, step: int) -> bool:
+        return self.schedule.is_update_step(step)
+
+    def _count(self, step: int, layer: SparseLinear) -> int:
+        """Connections to replace: ``floor(fraction · nnz)``, at most the inactive positions."""
+        inactive = layer.out_features * layer.in_features - layer.nnz
+        return min(math.floor(self.schedule.fraction(step) * layer.nnz), inactive)
+
+    def _grow_values(self, layer: SparseLinear, k: int) -> Tensor | None:
+        if self.grow_init == "zero":
+            return None
+        # the layer's own init: U(-1/√fan_in, 1/√fan_in), fan_in = nnz / out (see SparseLinear)
+        bound = 1.0 / math.sqrt(max(1.0, layer.nnz / layer.out_features))
+        draw = torch.rand(k, generator=self.generator, dtype=torch.float64) * 2 - 1
+        return (draw * bound).to(device=layer.values.device, dtype=layer.values.dtype)
+
+
+class SET(_DropGrow):
+    """Sparse Evolutionary Training (Mocanu et al., 2018): drop the weakest ``|w|``, regrow at random.
+
+    Args:
+        model: contains :class:`SparseLinear` layers (e.g. from :func:`snack.sparsify`).
+        optimizer: holds the layers' ``values``; its per-element state is remapped at updates.
+        drop_fraction: fraction of each layer's connections replaced per update, in ``[0, 1]``.
+        update_every: steps between updates (``>= 1``).
+        total_steps: training length, for the schedule.
+        stop_fraction: no updates after ``stop_fraction · total_steps``.
+        schedule: ``"cosine"`` decays the drop fraction to 0 at the stop step; ``"constant"``.
+        split_sign: SET's original drop rule (smallest positive and largest negative weights
+            separately) instead of the smallest ``|w|``.
+        grow_init: ``"zero"`` (new weights start at 0) or ``"random"`` (the layer's init).
+        layers: names or modules of the layers to act on (default: every ``SparseLinear``).
+        seed: seeds the RNG of the random growth.
+    """
+
+    def __init__(self, model, optimizer, *, split_sign: bool = False, **kwargs):
+        if not isinstance(split_sign, bool):
+            raise TypeError(f"split_sign must be a bool, got {split_sign!r}")
+        self.split_sign = split_sign
+        super().__init__(model, optimizer, **kwargs)
+
+    def _config(self) -> dict:
+        return {**super()._config(), "split_sign": self.split_sign}
+
+    def _plan(self, step, index, name, layer):
+        k = self._count(step, layer)
+        if k == 0:
+            return _EMPTY, _EMPTY, None
+        drop = magnitude_drop(layer.values, k, split_sign=self.split_sign)
+        grow = random_grow(layer.topology, k, self.generator)
+        return drop, grow, self._grow_values(layer, k)
+
+
+class RigL(_DropGrow):
+    """Rigged Lottery (Evci et al., 2020): drop the weakest ``|w|``, grow the largest ``|∂L/∂W|``.
+
+    The gradient is that of the update step's batch: when the *next* step is an update step,
+    :meth:`step` (and the constructor) arm hooks that record each layer's input ``X`` and output
+    gradient ``dY`` during that step's forward and backward; the following ``dst.step()`` (after
+    ``optimizer.step()``) scores inactive positions with ``|dYᵀ·X|`` in row blocks with a running
+    top-k (:func:`snack.dst.prune_grow.gradient_grow`) and disarms. The score uses the weights
+    of that forward, before the optimizer step, like the dense gradient RigL reads.
+
+    Arguments as :class:`SET` (without ``split_sign``). An update step whose training step ran
+    no forward/backward through a layer raises ``RuntimeError``.
+    """
+
+    _needs_gradient = True
+
+    def _plan(self, step, index, name, layer):
+        k = self._count(step, layer)
+        if k == 0:
+            return _EMPTY, _EMPTY, None
+        recorded = self._capture.batch(index)
+        if recorded is None:
+            raise RuntimeError(
+                f"RigL update at step {step}: no gradient was recorded for layer {name!r}; run the forward and "
+                "backward of the step through the model between dst.step() calls"
+            )
+        x, dy = recorded
+        drop = magnitude_drop(layer.values, k)
+        grow = gradient_grow(x.to(layer.values.dtype), dy.to(layer.values.dtype), layer.topology, k)
+        return drop, grow, self._grow_values(layer, k)
+
+    def _update(self, step: int) -> bool:
+        changed = super()._update(step)
+        self._capture.clear()
+        return changed
+
+
+class GradualPruning(DynamicSparsity):
+    """Gradual magnitude pruning (Zhu & Gupta, 2017): nnz shrinks on a cubic schedule.
+
+    Every ``update_every`` steps from ``start_step`` to ``end_step``, each layer keeps its
+    largest-``|w|`` connections so that its density is ``d_l · (1 - s_t) / (1 - s_0)``: all
+    layers shrink by the same ratio, so the layer-wise distribution chosen by ``sparsify`` (e.g.
+    ERK) is kept. ``s_t`` follows :func:`snack.dst.schedules.cubic_sparsity` from
+    ``initial_sparsity`` (default: the layers' sparsity now) to ``final_sparsity``. Nothing
+    grows; the optimizer state of survivors is kept. Start from ``sparsify(model, 0.0)`` for
+    dense-to-sparse training, or e.g. 0.5 → 0.9.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        final_sparsity: float,
+        start_step: int,
+        end_step: int,
+        update_every: int = 100,
+        initial_sparsity: float | None = None,
+        layers: Iterable[str | SparseLinear] | None = None,
+        seed: int = 0,
+    ):
+        final_sparsity = check_sparsity(final_sparsity, "final_sparsity")
+        start_step = _check_int(start_step, "start_step", 0)
+        end_step = _check_int(end_step, "end_step", start_step + 1)
+        update_every = _check_int(update_every, "update_every", 1)
+        found = _find_layers(model, layers)
+        total = sum(layer.out_features * layer.in_features for _, layer in found)
+        current = 1.0 - sum(layer.nnz for _, layer in found) / total
+        if initial_sparsity is None:
+            initial_sparsity = current
+        initial_sparsity = check_sparsity(initial_sparsity, "initial_sparsity")
+        if final_sparsity < initial_sparsity:
+            raise ValueError(f"final_sparsity ({final_sparsity}) must be >= initial_sparsity ({initial_sparsity})")
+        self.initial_sparsity, self.final_sparsity = initial_sparsity, final_sparsity
+        self.start_step, self.end_step, self.update_every = start_step, end_step, update_every
+        super().__init__(model, optimizer, layers=layers, seed=seed)
+        # densities at the start, which the schedule scales down
+        self.initial_nnz = [layer.nnz for _, layer in self.layers]
+
+    def sparsity(self, step: int) -> float:
+        """Target overall sparsity of the acted-on layers at ``step``."""
+        return cubic_sparsity(step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "initial_nnz": list(self.initial_nnz)}
+
+    def load_state_dict(self, state: dict) -> None:
+        initial_nnz = state.get("initial_nnz")
+        if not isinstance(initial_nnz, list) or len(initial_nnz) != len(self.layers):
+            raise ValueError(f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, got {initial_nnz!r}")
+        super().load_state_dict(state)
+        self.initial_nnz = list(initial_nnz)
+
+    def _config(self) -> dict:
+        return {
+            "initial_sparsity": self.initial_sparsity, "final_sparsity": self.final_sparsity,
+            "start_step": self.start_step, "end_step": self.end_step, "update_every": self.update_every,
+        }
+
+    def _is_update_step(self, step: int) -> bool:
+        return self.start_step <= step <= self.end_step and (step - self.start_step) % self.update_every == 0
+
+    def _plan(self, step, index, name, layer):
+        ratio = (1.0 - self.sparsity(step)) / (1.0 - self.initial_sparsity)
+        target = max(1, round(self.initial_nnz[index] * ratio))
+        drop = magnitude_drop(layer.values, max(0, layer.nnz - target))
+        return drop, _EMPTY, None

@@ -1,0 +1,71 @@
+"""Keep optimizer state aligned with a layer's connections when its topology changes.
+
+An optimizer keeps per-parameter state (``optimizer.state[values]``): per-element tensors shaped
+like ``values`` (SGD ``momentum_buffer``, Adam/AdamW ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``, ...) and scalars (``step``). After a rewiring, element ``i`` of the new
+``values`` is either the old connection ``src[i]`` or a new one (``src[i] = -1``): per-element
+state is gathered at ``src`` with zeros for new connections; scalars are left as they are.
+The ``values`` Parameter object itself is kept, so param groups, LR schedulers and the
+optimizer's ``state_dict`` stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_optimizer", "check_state", "remapped_state"]
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
+    """Raise unless ``optimizer`` is an optimizer holding every parameter of ``params`` (name → param)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in params.items() if id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"the optimizer does not hold the values of sparse layer(s) {missing}: build the optimizer from "
+            "the sparsified model's parameters (after snack.sparsify), or pass layers=... to act on fewer layers"
+        )
+    for name, p in params.items():
+        check_state(optimizer, p, name)
+
+
+def check_state(optimizer: torch.optim.Optimizer, param: Tensor, name: str) -> None:
+    """Raise ``ValueError`` if some state of ``param`` is neither per-element nor a scalar."""
+    for key, value in optimizer.state.get(param, {}).items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
+            raise ValueError(
+                f"cannot remap optimizer state {key!r} of {name}.values: shape {tuple(value.shape)} is neither "
+                f"per-element {tuple(param.shape)} nor a scalar; snack.dst supports optimizers whose state is "
+                "per element (SGD, Adam, AdamW, RMSprop, Adagrad, ...)"
+            )
+
+
+def remapped_state(optimizer: torch.optim.Optimizer, param: Tensor, src: Tensor, name: str) -> dict | None:
+    """The state of ``param`` after a rewiring, without changing the optimizer.
+
+    Args:
+        src: ``(nnz_new,)`` int64; ``src[i]`` is the old position of new element ``i``, ``-1``
+            for a new connection.
+
+    Returns:
+        a new state dict (``None`` if ``param`` has no state yet): per-element tensors
+        ``(nnz_new,)`` with kept entries copied and zeros for new connections; other entries
+        the same objects as before.
+    """
+    state = optimizer.state.get(param)
+    if not state:
+        return None
+    check_state(optimizer, param, name)
+    kept = src >= 0
+    new_state = {}
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            remapped = value.new_zeros(src.shape)
+            remapped[kept] = value[src[kept]]
+            new_state[key] = remapped
+        else:
+            new_state[key] = value
+    return new_state

@@ -1,0 +1,389 @@
+"""SET, RigL and GradualPruning end to end: invariants, growth rule, optimizer state, resume."""
+
+import copy
+import gc
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import snack
+from snack.dst.prune_grow import linear_index
+
+
+def _model(seed=0, sparsity=0.8):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 4))
+    return snack.sparsify(net, sparsity, distribution="erk", init="random")
+
+
+def _sparse_layers(model):
+    return [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+
+
+def _batches(n, seed=0, batch=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)) for _ in range(n)]
+
+
+def _train(model, opt, dst, batches):
+    changed = 0
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        changed += dst.step()
+    return changed
+
+
+def _check_invariants(layer, nnz):
+    assert layer.nnz == nnz == layer.values.numel() == layer.col.numel()
+    key = linear_index(layer.topology)
+    assert bool((key[1:] > key[:-1]).all()), "sorted and unique"
+    assert int(layer.row.min()) >= 0 and int(layer.row.max()) < layer.out_features
+    assert int(layer.col.min()) >= 0 and int(layer.col.max()) < layer.in_features
+    topo = layer.topology
+    assert topo.row is layer.row and topo.col is layer.col, "cache built from the current buffers"
+    assert torch.equal(topo.rowptr.diff(), torch.bincount(layer.row.long(), minlength=layer.out_features).int())
+    assert torch.equal(layer.col[topo.csc_perm.long()], layer.col.sort().values)
+
+
+@pytest.mark.parametrize(
+    "algorithm, options",
+    [(snack.dst.SET, {}), (snack.dst.SET, {"split_sign": True, "grow_init": "random"}), (snack.dst.RigL, {})],
+    ids=["set", "set-split-sign", "rigl"],
+)
+def test_invariants_hold_after_many_updates(algorithm, options):
+    model = _model()
+    layers = _sparse_layers(model)
+    nnz = [m.nnz for m in layers]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dst = algorithm(
+        model, opt, drop_fraction=0.3, update_every=2, total_steps=80, stop_fraction=1.0, schedule="constant", **options
+    )
+    assert _train(model, opt, dst, _batches(80)) == 40
+    for layer, n in zip(layers, nnz):
+        _check_invariants(layer, n)
+        assert opt.state[layer.values]["exp_avg"].shape == (n,)
+
+
+def test_updates_stop_after_stop_fraction_and_return_flags():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.SET(model, opt, update_every=5, total_steps=40, stop_fraction=0.5)
+    flags = []
+    for x, y in _batches(40):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        flags.append(dst.step())
+    assert [t + 1 for t, f in enumerate(flags) if f] == [5, 10, 15]  # step 20: cosine fraction is 0
+
+
+def test_rigl_grows_exactly_the_top_gradient_inactive_positions():
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(10, 8, sparsity=0.7, dtype=torch.float64)
+    old_key = linear_index(layer.topology)
+    old_values = layer.values.detach().clone()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # weights stay put: the drop is predictable
+    dst = snack.dst.RigL(layer, opt, drop_fraction=0.25, update_every=1, total_steps=10, schedule="constant")
+    x, target = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    ((layer(x) - target) ** 2).sum().backward()
+    opt.step()
+    # dense reference of dL/dW for the same batch
+    weight = layer.to_dense().detach().requires_grad_()
+    ((nn.functional.linear(x, weight, layer.bias.detach()) - target) ** 2).sum().backward()
+    assert dst.step()
+
+    k = int(0.25 * old_key.numel())
+    dropped = old_key[old_values.abs().sort(stable=True).indices[:k]]
+    scores = weight.grad.abs().reshape(-1).clone()
+    scores[old_key] = -1  # positions active before the drop are never grown
+    grown = scores.topk(k).indices
+    expected = (set(old_key.tolist()) - set(dropped.tolist())) | set(grown.tolist())
+    assert set(linear_index(layer.topology).tolist()) == expected
+    assert layer.nnz == old_key.numel()
+    new = torch.isin(linear_index(layer.topology), grown)
+    assert bool((layer.values[new] == 0).all())
+
+
+def test_set_grows_only_inactive_positions():
+    layer = snack.SparseLinear(10, 8, sparsity=0.5)
+    old_key = linear_index(layer.topology)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, drop_fraction=0.5, update_every=1, total_steps=10, schedule="constant")
+    layer(torch.randn(2, 10)).sum().backward()
+    assert dst.step()
+    new_key = linear_index(layer.topology)
+    grown = new_key[~torch.isin(new_key, old_key)]
+    assert grown.numel() == int(0.5 * old_key.numel())  # nothing dropped was regrown
+    assert bool((layer.values[~torch.isin(new_key, old_key)] == 0).all())
+
+
+@pytest.mark.parametrize(
+    "make_opt, keys",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), ["momentum_buffer"]),
+        (lambda p: torch.optim.Adam(p, lr=1e-2), ["exp_avg", "exp_avg_sq"]),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True), ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]),
+    ],
+    ids=["sgd-momentum", "adam", "adamw-amsgrad"],
+)
+def test_optimizer_state_is_remapped(make_opt, keys):
+    model = _model()
+    opt = make_opt(model.parameters())
+    dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=3, total_steps=100, schedule="constant")
+    batches = _batches(3)
+    _train(model, opt, dst, batches[:2])
+    layers = _sparse_layers(model)
+    before = []
+    for layer in layers:
+        key = linear_index(layer.topology).tolist()
+        before.append({name: dict(zip(key, opt.state[layer.values][name].tolist())) for name in keys})
+    steps = {id(l): opt.state[l.values].get("step") for l in layers}
+    steps = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in steps.items()}
+    groups_before = [list(map(id, g["params"])) for g in opt.param_groups]
+    _train(model, opt, dst, batches[2:])  # opt.step() then the update
+    for layer, old in zip(layers, before):
+        if layer.sparsity == 0.0:
+            continue
+        # state after opt.step() of step 3, then remapped: compare kept with a fresh step on old values
+        state = opt.state[layer.values]
+        key = linear_index(layer.topology).tolist()
+        for name in keys:
+            new = dict(zip(key, state[name].tolist()))
+            grown = [p for p in key if p not in old[name]]
+            assert grown and all(new[p] == 0.0 for p in grown)
+            assert state[name].shape == layer.values.shape
+        if torch.is_tensor(steps[id(layer)]):
+            assert torch.equal(state["step"], steps[id(layer)] + 1)  # scalar state untouched by the remap
+    assert [list(map(id, g["params"])) for g in opt.param_groups] == groups_before
+    opt.load_state_dict(opt.state_dict())  # still a valid optimizer state_dict
+
+
+def test_optimizer_state_of_kept_connections_is_copied_exactly():
+    layer = snack.SparseLinear(10, 8, sparsity=0.6)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    layer(torch.randn(4, 10)).pow(2).sum().backward()
+    opt.step()
+    old_key = linear_index(layer.topology).tolist()
+    old = {n: dict(zip(old_key, opt.state[layer.values][n].tolist())) for n in ("exp_avg", "exp_avg_sq")}
+    step = opt.state[layer.values]["step"]
+    drop = torch.tensor([1, 2, 7])
+    grow = snack.dst.random_grow(layer.topology, 3, torch.Generator().manual_seed(0))
+    snack.dst.rewire(layer, opt, drop, grow)
+    new_key = linear_index(layer.topology).tolist()
+    for n in ("exp_avg", "exp_avg_sq"):
+        for p, v in zip(new_key, opt.state[layer.values][n].tolist()):
+            assert v == (0.0 if p in set(grow.tolist()) else old[n][p])
+    assert opt.state[layer.values]["step"] is step
+
+
+def _run(seed, algorithm=snack.dst.SET, steps=30):
+    model = _model(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dst = algorithm(model, opt, update_every=3, total_steps=steps, seed=seed)
+    _train(model, opt, dst, _batches(steps))
+    return [t.clone() for t in model.state_dict().values() if torch.is_tensor(t)]
+
+
+def test_same_seed_same_run_different_seed_different_topology():
+    a, b, c = _run(1), _run(1), _run(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+def test_resume_from_checkpoint_is_bitwise_identical(algorithm):
+    batches = _batches(40)
+    kwargs = dict(drop_fraction=0.3, update_every=4, total_steps=40, seed=7)
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dst = algorithm(model, opt, **kwargs)
+    _train(model, opt, dst, batches[:15])  # stop just before update step 16: hooks are armed
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "dst": dst.state_dict()}, buffer)
+    _train(model, opt, dst, batches[15:])
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=False)
+    resumed = _model(seed=99)  # different init and topology, replaced by the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed_dst = algorithm(resumed, resumed_opt, **kwargs)
+    resumed_dst.load_state_dict(checkpoint["dst"])
+    _train(resumed, resumed_opt, resumed_dst, batches[15:])
+
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        if torch.is_tensor(a):
+            assert torch.equal(a, b), name
+    assert dst.state_dict()["step"] == resumed_dst.state_dict()["step"] == 40
+    assert torch.equal(dst.generator.get_state(), resumed_dst.generator.get_state())
+
+
+def test_load_state_dict_rejects_another_configuration():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = snack.dst.SET(model, opt, total_steps=100).state_dict()
+    with pytest.raises(ValueError, match="config"):
+        snack.dst.SET(model, opt, total_steps=200).load_state_dict(state)
+    with pytest.raises(ValueError, match="algorithm"):
+        snack.dst.RigL(model, opt, total_steps=100).load_state_dict(state)
+
+
+def _live_tensors():
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # probing every object trips deprecated torch attributes
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+def test_memory_does_not_grow_over_1000_updates(algorithm):
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(12, 6, sparsity=0.7)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    dst = algorithm(layer, opt, drop_fraction=0.2, update_every=1, total_steps=2000, stop_fraction=1.0, schedule="constant")
+    x = torch.randn(4, 12)
+
+    def steps(n):
+        changed = 0
+        for _ in range(n):
+            layer(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            changed += dst.step()
+        return changed
+
+    steps(10)
+    live, state_bytes = _live_tensors(), _state_bytes(layer, opt)
+    assert steps(1000) == 1000
+    assert _live_tensors() == live
+    assert _state_bytes(layer, opt) == state_bytes
+
+
+def _state_bytes(model, opt):
+    tensors = [*model.parameters(), *model.buffers()] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _snapshot(model, opt):
+    return copy.deepcopy((model.state_dict(), opt.state_dict()))
+
+
+def _same(a, b):
+    (ma, oa), (mb, ob) = a, b
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma if torch.is_tensor(ma[k]))
+    for sa, sb in zip(oa["state"].values(), ob["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(drop_fraction=-0.1), ValueError, "drop_fraction"),
+        (dict(drop_fraction=1.5), ValueError, "drop_fraction"),
+        (dict(drop_fraction=float("nan")), ValueError, "drop_fraction"),
+        (dict(update_every=0), ValueError, "update_every"),
+        (dict(update_every=2.5), TypeError, "update_every"),
+        (dict(total_steps=0), ValueError, "total_steps"),
+        (dict(stop_fraction=2.0), ValueError, "stop_fraction"),
+        (dict(schedule="linear"), ValueError, "schedule"),
+        (dict(layers=["nope"]), ValueError, "layers"),
+    ],
+)
+def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model, opt)
+    with pytest.raises(error, match=match):
+        snack.dst.RigL(model, opt, **{"total_steps": 10, "update_every": 1, **kwargs})
+    assert not any(m._forward_hooks for m in model.modules())
+    _same(before, _snapshot(model, opt))
+
+
+def test_model_without_sparse_layers_and_mismatched_optimizer_are_rejected():
+    dense = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no SparseLinear"):
+        snack.dst.SET(dense, torch.optim.SGD(dense.parameters(), lr=0.1), total_steps=10)
+    model = _model()
+    other = torch.optim.SGD(_model(seed=1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not hold"):
+        snack.dst.SET(model, other, total_steps=10)
+    with pytest.raises(TypeError, match="optimizer"):
+        snack.dst.SET(model, "sgd", total_steps=10)
+
+
+def test_unknown_optimizer_state_shape_fails_before_any_change():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = snack.dst.SET(model, opt, update_every=2, total_steps=10, schedule="constant")
+    _train(model, opt, dst, _batches(1))
+    last = _sparse_layers(model)[-1]
+    opt.state[last.values]["weird"] = torch.zeros(3, 3)
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match="'weird'"):
+        dst.step()
+    _same(before, _snapshot(model, opt))
+    assert dst.step_count == 1
+
+
+def test_rigl_update_without_a_recorded_gradient_is_an_error():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=1, total_steps=10)
+    before = _snapshot(model, opt)
+    with torch.no_grad():
+        model(torch.randn(2, 16))  # an eval pass records nothing
+    with pytest.raises(RuntimeError, match="no gradient was recorded"):
+        dst.step()
+    _same(before, _snapshot(model, opt))
+
+
+def test_rigl_hooks_are_armed_only_before_update_steps():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=3, total_steps=30)
+    armed = []
+    for x, y in _batches(7):
+        armed.append(any(m._forward_hooks for m in _sparse_layers(model)))
+        _train(model, opt, dst, [(x, y)])
+    assert armed == [False, False, True, False, False, True, False]
+    dst.remove()
+    assert not any(m._forward_hooks for m in _sparse_layers(model))
+
+
+def test_gradual_pruning_follows_the_cubic_schedule():
+    model = _model(sparsity=0.5)
+    layers = _sparse_layers(model)
+    initial = [m.nnz for m in layers]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gp = snack.dst.GradualPruning(model, opt, final_sparsity=0.9, start_step=0, end_step=20, update_every=5)
+    assert abs(gp.initial_sparsity - 0.5) < 0.01
+    batches = _batches(30)
+    for t, (x, y) in enumerate(batches, start=1):
+        _train(model, opt, gp, [(x, y)])
+        ratio = (1 - gp.sparsity(5 * (t // 5) if t <= 20 else 20)) / (1 - gp.initial_sparsity)
+        for layer, n in zip(layers, initial):
+            _check_invariants(layer, max(1, round(n * ratio)))
+            assert opt.state[layer.values]["exp_avg"].shape == (layer.nnz,)
+    total = sum(m.out_features * m.in_features for m in layers)
+    assert abs(1 - sum(m.nnz for m in layers) / total - 0.9) < 0.01
+
+
+def test_grow_init_random_draws_new_weights_within_the_layer_init_bound():
+    layer = snack.SparseLinear(10, 8, sparsity=0.5)
+    old_key = linear_index(layer.topology)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, update_every=1, total_steps=10, schedule="constant", grow_init="random")
+    assert dst.step()
+    new = ~torch.isin(linear_index(layer.topology), old_key)
+    bound = 1 / (layer.nnz / layer.out_features) ** 0.5
+    assert bool((layer.values[new] != 0).all()) and bool((layer.values[new].abs() <= bound).all())

