@@ -198,8 +198,7 @@ class SparseLinear(nn.Module):
             )
         self.row = row.to(torch.int32)
         self.col = col.to(torch.int32)
-        self.values.data = values.detach().clone()
-        self.values.grad = None
+        _replace_data(self.values, values.detach().clone())
         self._topology = None
 
     def _apply(self, fn, recurse=True):
@@ -271,9 +270,7 @@ class SparseLinear(nn.Module):
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
         if row.numel() != self.nnz:
-            with torch.no_grad():
-                self.values.data = self.values.new_empty(row.numel())
-            self.values.grad = None
+            _replace_data(self.values, self.values.new_empty(row.numel()))
         self.row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
         self.col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
         self._topology = None
@@ -284,6 +281,22 @@ class SparseLinear(nn.Module):
         state = self.__dict__.copy()
         state["_topology"] = None  # derived data is rebuilt on demand
         return state
+
+
+def _replace_data(param: nn.Parameter, data: Tensor) -> None:
+    """Give ``param`` new data, possibly of another size, keeping the Parameter object (which
+    optimizers hold) and dropping its now meaningless ``.grad``.
+
+    Autograd caches one gradient accumulator per leaf, holding the leaf's shape, for as long as
+    any earlier graph is alive (e.g. the previous step's ``loss``); the next backward would then
+    reject a gradient of the new size. Assigning ``.data`` of another dtype drops that cache
+    (``VariableHooks::set_data``), hence the detour through another dtype.
+    """
+    with torch.no_grad():
+        if data.shape != param.shape:
+            param.data = data.to(torch.float32 if data.dtype == torch.float64 else torch.float64)
+        param.data = data
+    param.grad = None
 
 
 def _check_values(values: Tensor, row: Tensor) -> None:

@@ -203,6 +203,21 @@ def test_set_topology_keeps_parameter_and_refreshes_cache():
     assert layer.topology.rowptr is not old_rowptr
 
 
+def test_changing_nnz_while_an_old_graph_is_alive():
+    layer = make_layer(6, 5, 0.5)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    old_loss = layer(x).sum()
+    old_loss.backward()  # the old graph (and autograd's accumulator for values) is still referenced
+    layer.set_topology(torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([4, 0, 2], dtype=torch.int32))
+    layer(x).sum().backward()
+    assert layer.values.grad.shape == (3,)
+    source = make_layer(6, 5, 0.2, seed=3)
+    layer.load_state_dict(source.state_dict())
+    layer(x).sum().backward()
+    assert layer.values.grad.shape == (source.nnz,)
+    assert old_loss.grad_fn is not None
+
+
 # ---------------------------------------------------------------------- serialisation and moves
 
 

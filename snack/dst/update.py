@@ -55,23 +55,6 @@ def rewire(
     if linear.numel() > 1 and not bool((linear[1:] > linear[:-1]).all()):
         raise ValueError(f"{name}: grow positions must be unique and inactive")
     state = remapped_state(optimizer, values, src, name)
-    old_nnz = layer.nnz
     layer.set_topology((linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32), new_values)
-    if layer.nnz != old_nnz:
-        _forget_grad_accumulator(values)
     if state is not None:
         optimizer.state[values] = state
-
-
-def _forget_grad_accumulator(param: Tensor) -> None:
-    """Make autograd build a new gradient accumulator for ``param`` after its size changed.
-
-    Autograd caches one accumulator per leaf, holding the leaf's shape; it stays alive while any
-    earlier graph does (e.g. the previous step's ``loss``), and the next backward would then
-    reject a gradient of the new size. Assigning ``.data`` of another dtype drops the cached
-    accumulator (``VariableHooks::set_data``), so swap the dtype there and back; the Parameter
-    object, which the optimizer holds, is kept.
-    """
-    data = param.data
-    param.data = data.to(torch.float32 if data.dtype == torch.float64 else torch.float64)
-    param.data = data
