@@ -149,3 +149,4 @@ def resolve(device: torch.device) -> Backend:
 
 
 register_backend("reference", "snack.backends.reference")
+register_backend("cpu", "snack.backends.cpu", default_for=("cpu",))
