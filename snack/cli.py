@@ -8,7 +8,9 @@ import importlib
 import sys
 
 # subcommand -> (module, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("snack.bench.cli", "benchmark sparse layers against dense, dense+mask and torch.sparse"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
