@@ -19,7 +19,7 @@ from snack import backends
 from snack.backends import cpu, reference  # importing cpu builds the kernels; a failed build fails here
 from snack.topology import Topology, random_coo
 
-OPS = ("spmm", "spmm_t", "sddmm")
+OPS = ("spmm", "spmm_t", "sddmm", "spmm_backward")
 # (rtol, atol) per dtype; bfloat16 stores each output with an 8-bit mantissa
 TOLERANCE = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 5e-2)}
 
@@ -41,19 +41,29 @@ def operands(op: str, topo: Topology, batch: int, dtype: torch.dtype, generator:
 
     values = randn(topo.nnz)
     x, dy = randn(batch, in_features), randn(batch, out_features)
-    return {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x)}[op]
+    return {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x), "spmm_backward": (dy, x, values)}[op]
+
+
+def reference_op(op: str, *args):
+    """The reference result(s) of ``op`` as a tuple; the fused backward is spmm_t and sddmm."""
+    if op == "spmm_backward":
+        dy, x, values, topo = args
+        return reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo)
+    return (getattr(reference, op)(*args),)
 
 
 def assert_matches_reference(op: str, topo: Topology, batch: int, dtype: torch.dtype, seed: int = 0) -> None:
-    a, b = operands(op, topo, batch, dtype, torch.Generator().manual_seed(seed))
+    inputs = operands(op, topo, batch, dtype, torch.Generator().manual_seed(seed))
     tensors = topo.tensors()
-    got = getattr(cpu, op)(a, b, tensors)
+    got = getattr(cpu, op)(*inputs, tensors)
+    got = got if isinstance(got, tuple) else (got,)
     # the oracle runs in float64 from the same (rounded) inputs
-    expected = getattr(reference, op)(a.double(), b.double(), tensors)
-    assert got.dtype == dtype
-    assert got.shape == expected.shape
+    expected = reference_op(op, *(t.double() for t in inputs), tensors)
     rtol, atol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype
+        assert g.shape == e.shape
+        torch.testing.assert_close(g.double(), e, rtol=rtol, atol=atol)
 
 
 def random_topology(out_features: int, in_features: int, sparsity: float, seed: int = 0) -> Topology:
@@ -71,11 +81,17 @@ def test_native_backend_is_the_cpu_default():
 
 def test_ops_dispatch_to_native_kernels(monkeypatch):
     calls = []
-    original = cpu.spmm
-    monkeypatch.setattr(cpu, "spmm", lambda *args: calls.append(1) or original(*args))
+    for name in OPS:
+        original = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
     layer = snack.SparseLinear(16, 8, sparsity=0.5)
-    layer(torch.randn(3, 16))
-    assert calls == [1]
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).sum().backward()
+    # a training step: forward, then the fused backward (dX and dvalues in one pass)
+    assert calls == ["spmm", "spmm_backward"]
+    calls.clear()
+    layer(torch.randn(3, 16)).sum().backward()  # only dvalues wanted
+    assert calls == ["spmm", "sddmm"]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -101,11 +117,13 @@ def test_no_nonzeros(op, threads):
     empty = torch.empty(0, dtype=torch.int32)
     topo = Topology(empty, empty, (6, 4))
     for batch in (1, 9):
-        a, b = operands(op, topo, batch, torch.float32, torch.Generator().manual_seed(0))
-        got = getattr(cpu, op)(a, b, topo.tensors())
-        expected_shape = {"spmm": (batch, 6), "spmm_t": (batch, 4), "sddmm": (0,)}[op]
-        assert got.shape == expected_shape
-        assert not got.any()
+        inputs = operands(op, topo, batch, torch.float32, torch.Generator().manual_seed(0))
+        got = getattr(cpu, op)(*inputs, topo.tensors())
+        got = got if isinstance(got, tuple) else (got,)
+        expected_shapes = {"spmm": [(batch, 6)], "spmm_t": [(batch, 4)], "sddmm": [(0,)],
+                           "spmm_backward": [(batch, 4), (0,)]}[op]
+        assert [tuple(g.shape) for g in got] == expected_shapes
+        assert not any(g.any() for g in got)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -121,11 +139,12 @@ def test_empty_rows_and_columns(op, threads):
 @pytest.mark.parametrize("op", OPS)
 def test_empty_batch(op):
     topo = random_topology(5, 7, 0.5)
-    a, b = operands(op, topo, 0, torch.float32, torch.Generator().manual_seed(0))
-    got = getattr(cpu, op)(a, b, topo.tensors())
-    expected = getattr(reference, op)(a, b, topo.tensors())
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected)
+    inputs = operands(op, topo, 0, torch.float32, torch.Generator().manual_seed(0))
+    got = getattr(cpu, op)(*inputs, topo.tensors())
+    got = got if isinstance(got, tuple) else (got,)
+    for g, e in zip(got, reference_op(op, *inputs, topo.tensors()), strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -218,8 +237,10 @@ def test_large_layer():
         (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(2), t.rowptr, t.col), "same length"),
         (lambda t: torch.ops.snack_cpu.spmm_t(torch.randn(2, 5), torch.randn(3), t.rowptr, t.col, 4), "shape"),
         (lambda t: torch.ops.snack_cpu.sddmm(torch.randn(2, 3), torch.randn(5, 4), t.rowptr, t.col), "batch"),
+        (lambda t: torch.ops.snack_cpu.spmm_backward(torch.randn(2, 3), torch.randn(5, 4), torch.randn(3), t.rowptr,
+                                                     t.col), "x \\(B, in\\)"),
     ],
-    ids=["dtype", "index-dtype", "length", "dy-shape", "batch"],
+    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "fused-batch"],
 )
 def test_native_ops_reject_bad_input(call, message):
     topo = Topology(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0, 3], dtype=torch.int32), (3, 4))

@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a small grid for a check in about a minute (explicit options still override it)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--threads", type=_positive, help="CPU threads for every variant (default: torch's, all cores)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="output folder (default: benchmarks)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         modes=tuple(args.mode),
         repeats=args.repeats or defaults["repeats"],
     )
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     backend = default_backend_name(device.type)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from snack.topology import TopologyTensors
 
-__all__ = ["BuildError", "build", "sddmm", "spmm", "spmm_t", "supports"]
+__all__ = ["BuildError", "build", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
@@ -118,3 +118,9 @@ def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
     """``out[k] = Σ_b dy[b, row_k]·x[b, col_k]``: ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``."""
     return _ops.sddmm(dy, x, topo.rowptr, topo.col)
+
+
+def spmm_backward(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors) -> tuple[Tensor, Tensor]:
+    """``(spmm_t(dy, values), sddmm(dy, x))`` in one pass over the weight: ``dy (B, out)``,
+    ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,))``."""
+    return _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col)

@@ -5,6 +5,7 @@
 //   spmm   (x (B,in),   values, rowptr, col)              -> y (B,out)   y  = x · Wᵀ
 //   spmm_t (dy (B,out), values, rowptr, col, in_features) -> dx (B,in)   dx = dy · W
 //   sddmm  (dy (B,out), x (B,in), rowptr, col)            -> (nnz,)      Σ_b dy[b,row_k]·x[b,col_k]
+//   spmm_backward (dy, x, values, rowptr, col)            -> (spmm_t(dy), sddmm(dy, x)) in one pass
 //
 // Layout: the batch is the inner, contiguous dimension. The dense operands (x for spmm, dy for
 // spmm_t, both for sddmm) are packed once per call into tiles
@@ -24,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cstdint>
 #include <type_traits>
 #include <unistd.h>
@@ -160,6 +162,15 @@ struct Vec8 {
 template <typename T>
 using vec8 = typename Vec8<T>::type;
 
+// Sum of the eight lanes: three shuffle+add steps instead of seven scalar extracts and adds.
+template <typename V>
+inline auto lane_sum(V v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
 // spmm for rows [s0, s1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
 // row's non-zeros into W accumulators and writes them to out[(b0 + j) · n_out + s] for the
 // `width` real batch columns j of this tile.
@@ -225,14 +236,18 @@ void gather_rows(int64_t s0, int64_t s1, const index_t* ptr, const index_t* idx,
 
 // spmm_t for rows [r0, r1) of one batch tile: scatters values[k] · dyt[r] into buf[col[k]], a
 // (in, W) accumulator private to the calling thread. dyt[r] stays in registers for the whole
-// row; values and col stream sequentially.
-template <int W, typename scalar_t, typename acc_t>
+// row; values and col stream sequentially. With kFused, also the sddmm of the same non-zeros,
+// dval[k] (+)= dyt[r] · xt[col[k]], in the same pass (the fused backward of spmm).
+template <int W, bool kFused, typename scalar_t, typename acc_t>
 void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
-                  const acc_t* dyt, acc_t* buf) {
+                  const acc_t* dyt, acc_t* buf, const acc_t* xt, acc_t* dval, bool accumulate) {
   if constexpr (W == 1) {
     for (int64_t r = r0; r < r1; ++r) {
       const acc_t d = dyt[r];
-      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) buf[col[k]] += static_cast<acc_t>(values[k]) * d;
+      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        buf[col[k]] += static_cast<acc_t>(values[k]) * d;
+        if constexpr (kFused) dval[k] = (accumulate ? dval[k] : acc_t(0)) + d * xt[col[k]];
+      }
     }
   } else {
     using V = vec8<acc_t>;
@@ -242,10 +257,19 @@ void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* 
 #pragma GCC unroll 8
       for (int q = 0; q < NV; ++q) d[q] = reinterpret_cast<const V*>(dyt + r * W)[q];
       for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        const int64_t c = col[k];
         const acc_t v = static_cast<acc_t>(values[k]);
-        V* o = reinterpret_cast<V*>(buf + static_cast<int64_t>(col[k]) * W);
+        V* o = reinterpret_cast<V*>(buf + c * W);
 #pragma GCC unroll 8
         for (int q = 0; q < NV; ++q) o[q] += v * d[q];
+        if constexpr (kFused) {
+          const V* g = reinterpret_cast<const V*>(xt + c * W);
+          V prod = d[0] * g[0];
+#pragma GCC unroll 8
+          for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
+          const acc_t s = lane_sum(prod);
+          dval[k] = accumulate ? dval[k] + s : s;
+        }
       }
     }
   }
@@ -294,28 +318,36 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   return out;
 }
 
-// dx (B, in) = dy (B, out) · W. Walking W by column (through csc_perm) reads values and row
-// indices in random order, which measured ~10x slower than spmm on this machine; instead each
-// thread walks a balanced range of rows sequentially and scatters into its own (in, W)
-// accumulator, and the accumulators are summed at the end: no atomics, and the result does not
-// depend on thread timing (only on the thread count, through the summation order).
-at::Tensor spmm_t(const at::Tensor& dy, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col,
-                  int64_t in_features) {
-  check_common("spmm_t", dy, values, rowptr, col);
-  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_t: values and col must have the same length");
-  TORCH_CHECK(in_features >= 0, "snack_cpu.spmm_t: in_features must be >= 0, got ", in_features);
+// dx (B, in) = dy (B, out) · W, and with kFused also dvalues = sddmm(dy, x) in the same pass.
+// Walking W by column (through csc_perm) reads values and row indices in random order, which
+// measured ~10x slower than spmm on this machine; instead each thread walks a balanced range of
+// rows sequentially and scatters into its own (in, W) accumulator, and the accumulators are
+// summed at the end: no atomics, and the result does not depend on thread timing (only on the
+// thread count, through the summation order).
+template <bool kFused>
+std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const at::Tensor& values,
+                                                   const at::Tensor& rowptr, const at::Tensor& col, int64_t in_features,
+                                                   const at::Tensor& x) {
   const int64_t B = dy.size(0), n_out = rowptr.numel() - 1, nnz = values.numel();
-  TORCH_CHECK(dy.size(1) == n_out, "snack_cpu.spmm_t: dy must have shape (B, ", n_out, "), got ", dy.sizes());
-  at::Tensor out = at::empty({B, in_features}, dy.options());
-  if (B == 0 || in_features == 0) return out;
+  at::Tensor dx = at::empty({B, in_features}, dy.options());
+  at::Tensor dvalues = kFused ? at::empty({nnz}, dy.options()) : at::Tensor();
+  if (B == 0 || in_features == 0) {
+    if (kFused) dvalues.zero_();
+    return {dx, dvalues};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "snack_cpu_spmm_t", [&] {
     using acc_t = acc_type<scalar_t>;
-    const int W = tile_width(B, in_features, sizeof(acc_t));  // the scattered-to buffer is (in, W)
+    // the (in, W) accumulator, and with kFused the (in, W) tile of x, should stay in L2
+    const int W = tile_width(B, (kFused ? 2 : 1) * in_features, sizeof(acc_t));
     const at::Tensor packed = pack_tiles<scalar_t, acc_t>(dy, W);
+    const at::Tensor xt = kFused ? pack_tiles<scalar_t, acc_t>(x, W) : at::Tensor();
+    // dvalues accumulates across tiles in acc_t: straight into the output when it is acc_t
+    at::Tensor dval = !kFused ? at::Tensor() : std::is_same_v<scalar_t, acc_t> ? dvalues : at::empty({nnz}, packed.options());
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
-    scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
+    scalar_t* out_p = dx.mutable_data_ptr<scalar_t>();
+    acc_t* dval_p = kFused ? dval.mutable_data_ptr<acc_t>() : nullptr;
     const bool serial = nnz * W < kSerialWork || at::get_num_threads() == 1 || n_out < 2;
     const auto bounds = balanced_bounds(rowptr_p, n_out, serial ? 1 : std::min<int64_t>(n_out, at::get_num_threads()));
     const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
@@ -325,15 +357,16 @@ at::Tensor spmm_t(const at::Tensor& dy, const at::Tensor& values, const at::Tens
       constexpr int kW = decltype(w)::value;
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const acc_t* tile = packed.const_data_ptr<acc_t>() + (b0 / kW) * n_out * kW;
+        const acc_t* x_tile = kFused ? xt.const_data_ptr<acc_t>() + (b0 / kW) * in_features * kW : nullptr;
         const int64_t width = std::min<int64_t>(kW, B - b0);
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
           for (int64_t p = p0; p < p1; ++p) {
             acc_t* buf = buf_p + p * in_features * kW;
             std::fill(buf, buf + in_features * kW, acc_t(0));
-            scatter_rows<kW>(bounds[p], bounds[p + 1], rowptr_p, col_p, val_p, tile, buf);
+            scatter_rows<kW, kFused>(bounds[p], bounds[p + 1], rowptr_p, col_p, val_p, tile, buf, x_tile, dval_p, b0 > 0);
           }
         });
-        // out[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order
+        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order
         at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialWork / (parts * kW)), [&](int64_t c0, int64_t c1) {
           for (int64_t c = c0; c < c1; ++c) {
             for (int64_t j = 0; j < width; ++j) {
@@ -345,8 +378,31 @@ at::Tensor spmm_t(const at::Tensor& dy, const at::Tensor& values, const at::Tens
         });
       }
     });
+    if (kFused && !std::is_same_v<scalar_t, acc_t>) dvalues.copy_(dval);
   });
-  return out;
+  return {dx, dvalues};
+}
+
+at::Tensor spmm_t(const at::Tensor& dy, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col,
+                  int64_t in_features) {
+  check_common("spmm_t", dy, values, rowptr, col);
+  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_t: values and col must have the same length");
+  TORCH_CHECK(in_features >= 0, "snack_cpu.spmm_t: in_features must be >= 0, got ", in_features);
+  TORCH_CHECK(dy.size(1) == rowptr.numel() - 1, "snack_cpu.spmm_t: dy must have shape (B, ", rowptr.numel() - 1,
+              "), got ", dy.sizes());
+  return std::get<0>(scatter_product<false>(dy, values, rowptr, col, in_features, at::Tensor()));
+}
+
+// The backward of y = x · Wᵀ in one pass over W: (dx = dy · W, dvalues = sddmm(dy, x)).
+std::tuple<at::Tensor, at::Tensor> spmm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& values,
+                                                 const at::Tensor& rowptr, const at::Tensor& col) {
+  check_common("spmm_backward", dy, values, rowptr, col);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dy.scalar_type() && x.device().is_cpu(),
+              "snack_cpu.spmm_backward: x must be a contiguous 2-D CPU tensor with dy's dtype");
+  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_backward: values and col must have the same length");
+  TORCH_CHECK(dy.size(1) == rowptr.numel() - 1 && x.size(0) == dy.size(0), "snack_cpu.spmm_backward: dy must be (B, ",
+              rowptr.numel() - 1, ") and x (B, in), got ", dy.sizes(), " and ", x.sizes());
+  return scatter_product<true>(dy, values, rowptr, col, x.size(1), x);
 }
 
 // out[k] (+)= Σ_j dyt[row_k][j] · xt[col_k][j] over one tile, for rows [r0, r1).
@@ -373,7 +429,7 @@ void sddmm_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* co
         V prod = d[0] * g[0];
 #pragma GCC unroll 8
         for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
-        const acc_t s = ((prod[0] + prod[1]) + (prod[2] + prod[3])) + ((prod[4] + prod[5]) + (prod[6] + prod[7]));
+        const acc_t s = lane_sum(prod);
         out[k] = accumulate ? out[k] + s : s;
       }
     }
@@ -421,10 +477,12 @@ TORCH_LIBRARY(snack_cpu, m) {
   m.def("spmm(Tensor x, Tensor values, Tensor rowptr, Tensor col) -> Tensor");
   m.def("spmm_t(Tensor dy, Tensor values, Tensor rowptr, Tensor col, int in_features) -> Tensor");
   m.def("sddmm(Tensor dy, Tensor x, Tensor rowptr, Tensor col) -> Tensor");
+  m.def("spmm_backward(Tensor dy, Tensor x, Tensor values, Tensor rowptr, Tensor col) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
   m.impl("spmm", &spmm);
   m.impl("spmm_t", &spmm_t);
   m.impl("sddmm", &sddmm);
+  m.impl("spmm_backward", &spmm_backward);
 }
