@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <tuple>
 #include <cstdint>
 #include <type_traits>
@@ -41,6 +42,8 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 
 // Below this many multiply-adds a call runs on one thread: waking the pool costs more.
 constexpr int64_t kSerialWork = 1 << 15;
+// Below this many elements a pack runs on one thread: it is a fast copy.
+constexpr int64_t kSerialPack = 1 << 20;
 // Chunks per thread, so a chunk that is slower than the others (skewed rows) does not leave a
 // core idle for long.
 constexpr int64_t kChunksPerThread = 8;
@@ -130,16 +133,44 @@ void parallel_segments(const index_t* ptr, int64_t n, int64_t work, const F& bod
   });
 }
 
+// Memory for one call's temporaries (packed tiles, accumulators). A fresh large allocation pays
+// a page fault per 4 KiB on every call, which costs as much as a small layer's whole kernel, so
+// buffers up to kScratchCap are kept per calling thread, one per slot, and reused; larger ones
+// (rare, huge layers) are allocated per call and freed, their page faults small beside the work.
+class Scratch {
+ public:
+  enum Slot { kPackA, kPackB, kAccumulator, kValues, kSlots };
+
+  template <typename T>
+  T* get(Slot slot, int64_t count) {
+    const int64_t bytes = std::max<int64_t>(1, count) * static_cast<int64_t>(sizeof(T));
+    if (bytes > kScratchCap) {
+      owned_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte)));
+      return reinterpret_cast<T*>(owned_.back().mutable_data_ptr());
+    }
+    auto& buffer = pool()[slot];
+    if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes);
+    return reinterpret_cast<T*>(buffer.data());
+  }
+
+ private:
+  static constexpr int64_t kScratchCap = int64_t{64} << 20;
+  // operator new aligns to alignof(std::max_align_t), enough for float and double
+  static std::array<std::vector<char>, kSlots>& pool() {
+    thread_local std::array<std::vector<char>, kSlots> buffers;
+    return buffers;
+  }
+  std::vector<at::Tensor> owned_;
+};
+
 // Packs a (B, n) row-major matrix into tiles (tiles, n, W) of acc_t, zero-padding the batch.
 template <typename scalar_t, typename acc_t>
-at::Tensor pack_tiles(const at::Tensor& a, int W) {
+const acc_t* pack_tiles(const at::Tensor& a, int W, Scratch& scratch, Scratch::Slot slot) {
   const int64_t B = a.size(0), n = a.size(1);
   const int64_t tiles = (B + W - 1) / W;
-  const auto acc_dtype = std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat;
-  at::Tensor packed = at::empty({tiles, n, W}, a.options().dtype(acc_dtype));
   const scalar_t* src = a.const_data_ptr<scalar_t>();
-  acc_t* dst = packed.mutable_data_ptr<acc_t>();
-  at::parallel_for(0, n, std::max<int64_t>(1, kSerialWork / std::max<int64_t>(1, B)), [&](int64_t i0, int64_t i1) {
+  acc_t* dst = scratch.get<acc_t>(slot, tiles * n * W);
+  at::parallel_for(0, n, std::max<int64_t>(1, kSerialPack / std::max<int64_t>(1, B)), [&](int64_t i0, int64_t i1) {
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t b0 = t * W, width = std::min<int64_t>(W, B - b0);
       for (int64_t i = i0; i < i1; ++i) {
@@ -149,7 +180,7 @@ at::Tensor pack_tiles(const at::Tensor& a, int W) {
       }
     }
   });
-  return packed;
+  return dst;
 }
 
 // Eight accumulators as one GCC/Clang vector: an AVX2 register for float, two for double. Written
@@ -299,7 +330,8 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "snack_cpu_spmm", [&] {
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, n_in, sizeof(acc_t));
-    const at::Tensor packed = pack_tiles<scalar_t, acc_t>(x, W);
+    Scratch scratch;
+    const acc_t* packed = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
@@ -307,7 +339,7 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
-        const acc_t* tile = packed.const_data_ptr<acc_t>() + (b0 / kW) * n_in * kW;
+        const acc_t* tile = packed + (b0 / kW) * n_in * kW;
         const int64_t width = std::min<int64_t>(kW, B - b0);
         parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t s0, int64_t s1) {
           gather_rows<kW>(s0, s1, rowptr_p, col_p, val_p, tile, out_p, n_out, b0, width);
@@ -339,25 +371,28 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
     using acc_t = acc_type<scalar_t>;
     // the (in, W) accumulator, and with kFused the (in, W) tile of x, should stay in L2
     const int W = tile_width(B, (kFused ? 2 : 1) * in_features, sizeof(acc_t));
-    const at::Tensor packed = pack_tiles<scalar_t, acc_t>(dy, W);
-    const at::Tensor xt = kFused ? pack_tiles<scalar_t, acc_t>(x, W) : at::Tensor();
-    // dvalues accumulates across tiles in acc_t: straight into the output when it is acc_t
-    at::Tensor dval = !kFused ? at::Tensor() : std::is_same_v<scalar_t, acc_t> ? dvalues : at::empty({nnz}, packed.options());
+    Scratch scratch;
+    const acc_t* packed = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackA);
+    const acc_t* xt = kFused ? pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackB) : nullptr;
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
     scalar_t* out_p = dx.mutable_data_ptr<scalar_t>();
-    acc_t* dval_p = kFused ? dval.mutable_data_ptr<acc_t>() : nullptr;
+    // dvalues accumulates across tiles in acc_t: straight into the output when it is acc_t
+    acc_t* dval_p = nullptr;
+    if constexpr (kFused) {
+      dval_p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(dvalues.mutable_data_ptr<scalar_t>())
+                                               : scratch.get<acc_t>(Scratch::kValues, nnz);
+    }
     const bool serial = nnz * W < kSerialWork || at::get_num_threads() == 1 || n_out < 2;
     const auto bounds = balanced_bounds(rowptr_p, n_out, serial ? 1 : std::min<int64_t>(n_out, at::get_num_threads()));
     const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
-    at::Tensor buffers = at::empty({parts, in_features, W}, packed.options());
-    acc_t* buf_p = buffers.mutable_data_ptr<acc_t>();
+    acc_t* buf_p = scratch.get<acc_t>(Scratch::kAccumulator, parts * in_features * W);
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
-        const acc_t* tile = packed.const_data_ptr<acc_t>() + (b0 / kW) * n_out * kW;
-        const acc_t* x_tile = kFused ? xt.const_data_ptr<acc_t>() + (b0 / kW) * in_features * kW : nullptr;
+        const acc_t* tile = packed + (b0 / kW) * n_out * kW;
+        const acc_t* x_tile = kFused ? xt + (b0 / kW) * in_features * kW : nullptr;
         const int64_t width = std::min<int64_t>(kW, B - b0);
         at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
           for (int64_t p = p0; p < p1; ++p) {
@@ -378,7 +413,10 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
         });
       }
     });
-    if (kFused && !std::is_same_v<scalar_t, acc_t>) dvalues.copy_(dval);
+    if constexpr (kFused && !std::is_same_v<scalar_t, acc_t>) {
+      scalar_t* dvalues_p = dvalues.mutable_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < nnz; ++k) dvalues_p[k] = static_cast<scalar_t>(dval_p[k]);
+    }
   });
   return {dx, dvalues};
 }
@@ -448,25 +486,29 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "snack_cpu_sddmm", [&] {
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, x.size(1), sizeof(acc_t));
-    const at::Tensor xt = pack_tiles<scalar_t, acc_t>(x, W);
-    const at::Tensor dyt = pack_tiles<scalar_t, acc_t>(dy, W);
+    Scratch scratch;
+    const acc_t* xt = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
+    const acc_t* dyt = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackB);
     // accumulate across tiles in acc_t; write straight into `out` when it already is acc_t
-    at::Tensor acc = std::is_same_v<scalar_t, acc_t> ? out : at::empty({nnz}, xt.options());
+    acc_t* acc_p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(out.mutable_data_ptr<scalar_t>())
+                                                   : scratch.get<acc_t>(Scratch::kValues, nnz);
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
-    acc_t* acc_p = acc.mutable_data_ptr<acc_t>();
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const int64_t t = b0 / kW;
-        const acc_t* xt_p = xt.const_data_ptr<acc_t>() + t * x.size(1) * kW;
-        const acc_t* dyt_p = dyt.const_data_ptr<acc_t>() + t * n_out * kW;
+        const acc_t* xt_p = xt + t * x.size(1) * kW;
+        const acc_t* dyt_p = dyt + t * n_out * kW;
         parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t r0, int64_t r1) {
           sddmm_rows<kW>(r0, r1, rowptr_p, col_p, dyt_p, xt_p, acc_p, b0 > 0);
         });
       }
     });
-    if (!std::is_same_v<scalar_t, acc_t>) out.copy_(acc);
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < nnz; ++k) out_p[k] = static_cast<scalar_t>(acc_p[k]);
+    }
   });
   return out;
 }
