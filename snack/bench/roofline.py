@@ -44,13 +44,18 @@ def sparse_bound(
 ) -> tuple[float, float, float]:
     """``(bound seconds, flops, bytes)`` of a sparse layer's inference or training step.
 
-    One sparse op (forward ``Y = X·Wᵀ``) does ``2·B·nnz`` flops and moves the weight (values +
-    int32 column indices + row pointer) and its two activations (``X`` in, ``Y`` out). A training
-    step is three such ops (forward, ``dX``, ``dW``): three times the flops and the bytes.
+    Inference (``Y = X·Wᵀ``): ``2·B·nnz`` flops; reads the weight (values + int32 column indices
+    + row pointer) and ``X``, writes ``Y``. A training step adds the backward, ``dX = dY·W`` and
+    ``dvalues = sddmm(dY, X)``: twice the forward's flops, and at least one more read of the
+    weight, a write of ``dvalues`` (nnz values), reads of ``dY`` and ``X`` and a write of ``dX``
+    (a fused backward does exactly this; separate kernels move more).
     """
     weight_bytes = nnz * (element_size + 4) + (out_features + 1) * 4
     activation_bytes = batch * (in_features + out_features) * element_size
-    ops = 3 if training else 1
-    flops = ops * 2 * batch * nnz
-    moved = ops * (weight_bytes + activation_bytes)
+    if training:
+        flops = 3 * 2 * batch * nnz
+        moved = 2 * weight_bytes + nnz * element_size + 2 * activation_bytes
+    else:
+        flops = 2 * batch * nnz
+        moved = weight_bytes + activation_bytes
     return max(moved / machine.bandwidth, flops / machine.peak_flops), flops, moved
