@@ -26,8 +26,8 @@
 
 #include <algorithm>
 #include <array>
-#include <tuple>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 #include <unistd.h>
 #include <vector>
@@ -44,9 +44,6 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 constexpr int64_t kSerialWork = 1 << 15;
 // Below this many elements a pack runs on one thread: it is a fast copy.
 constexpr int64_t kSerialPack = 1 << 20;
-// Chunks per thread, so a chunk that is slower than the others (skewed rows) does not leave a
-// core idle for long.
-constexpr int64_t kChunksPerThread = 8;
 // Largest batch tile; a tile of W accumulators times the unroll factor fills the vector registers.
 constexpr int kMaxTile = 64;
 
@@ -117,7 +114,8 @@ std::vector<int64_t> balanced_bounds(const index_t* ptr, int64_t n, int64_t piec
 }
 
 // Runs body(begin, end) over segments [0, n) of `ptr`, in parallel when the work (multiply-adds)
-// is large enough.
+// is large enough: one range of about equal cost per thread (at::parallel_for hands out equal
+// index ranges, so the balancing by non-zeros happens here).
 template <typename F>
 void parallel_segments(const index_t* ptr, int64_t n, int64_t work, const F& body) {
   if (n == 0) return;
@@ -126,7 +124,7 @@ void parallel_segments(const index_t* ptr, int64_t n, int64_t work, const F& bod
     body(int64_t{0}, n);
     return;
   }
-  const auto bounds = balanced_bounds(ptr, n, std::min<int64_t>(n, threads * kChunksPerThread));
+  const auto bounds = balanced_bounds(ptr, n, std::min<int64_t>(n, threads));
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) body(bounds[c], bounds[c + 1]);
@@ -202,57 +200,55 @@ inline auto lane_sum(V v) {
   return v[0];
 }
 
-// spmm for rows [s0, s1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
-// row's non-zeros into W accumulators and writes them to out[(b0 + j) · n_out + s] for the
+// spmm for rows [r0, r1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
+// row's non-zeros into W accumulators and writes them to out[(b0 + j) · n_out + r] for the
 // `width` real batch columns j of this tile.
 template <int W, typename scalar_t, typename acc_t>
-void gather_rows(int64_t s0, int64_t s1, const index_t* ptr, const index_t* idx,
-                     const scalar_t* values, const acc_t* packed, scalar_t* out, int64_t n_out, int64_t b0,
-                     int64_t width) {
+void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
+                 const acc_t* packed, scalar_t* out, int64_t n_out, int64_t b0, int64_t width) {
   if constexpr (W == 1) {
     // sparse matrix-vector product, eight non-zeros at a time: values load as one vector, the
     // eight gathered x entries are assembled into another, one vector multiply-add.
     using V = vec8<acc_t>;
-    for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t r = r0; r < r1; ++r) {
       V acc = {};
-      const int64_t begin = ptr[s], end = ptr[s + 1];
+      const int64_t begin = rowptr[r], end = rowptr[r + 1];
       int64_t k = begin;
       for (; k + 8 <= end; k += 8) {
         V v, g;
 #pragma GCC unroll 8
         for (int u = 0; u < 8; ++u) {
           v[u] = static_cast<acc_t>(values[k + u]);
-          g[u] = packed[idx[k + u]];
+          g[u] = packed[col[k + u]];
         }
         acc += v * g;
       }
       acc_t tail = 0;
-      for (; k < end; ++k) tail += static_cast<acc_t>(values[k]) * packed[idx[k]];
-      out[s] = static_cast<scalar_t>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail);
+      for (; k < end; ++k) tail += static_cast<acc_t>(values[k]) * packed[col[k]];
+      out[r] = static_cast<scalar_t>(lane_sum(acc) + tail);
     }
   } else {
     using V = vec8<acc_t>;
     constexpr int NV = W / 8;
     // U independent accumulator sets hide the FMA latency (U·NV >= 8 chains in flight).
     constexpr int U = std::max(1, 8 / NV);
-    for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t r = r0; r < r1; ++r) {
       V acc[U][NV] = {};
-      const int64_t begin = ptr[s], end = ptr[s + 1];
+      const int64_t begin = rowptr[r], end = rowptr[r + 1];
       int64_t p = begin;
       for (; p + U <= end; p += U) {
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) {
           const int64_t k = p + u;
           const acc_t v = static_cast<acc_t>(values[k]);
-          const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(idx[k]) * W);
+          const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(col[k]) * W);
 #pragma GCC unroll 8
           for (int q = 0; q < NV; ++q) acc[u][q] += v * g[q];
         }
       }
-      for (; p < end; ++p) {
-        const int64_t k = p;
+      for (int64_t k = p; k < end; ++k) {
         const acc_t v = static_cast<acc_t>(values[k]);
-        const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(idx[k]) * W);
+        const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(col[k]) * W);
 #pragma GCC unroll 8
         for (int q = 0; q < NV; ++q) acc[0][q] += v * g[q];
       }
@@ -260,7 +256,7 @@ void gather_rows(int64_t s0, int64_t s1, const index_t* ptr, const index_t* idx,
       for (int u = 1; u < U; ++u)
 #pragma GCC unroll 8
         for (int q = 0; q < NV; ++q) acc[0][q] += acc[u][q];
-      for (int64_t j = 0; j < width; ++j) out[(b0 + j) * n_out + s] = static_cast<scalar_t>(acc[0][j / 8][j % 8]);
+      for (int64_t j = 0; j < width; ++j) out[(b0 + j) * n_out + r] = static_cast<scalar_t>(acc[0][j / 8][j % 8]);
     }
   }
 }
@@ -341,8 +337,8 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const acc_t* tile = packed + (b0 / kW) * n_in * kW;
         const int64_t width = std::min<int64_t>(kW, B - b0);
-        parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t s0, int64_t s1) {
-          gather_rows<kW>(s0, s1, rowptr_p, col_p, val_p, tile, out_p, n_out, b0, width);
+        parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t r0, int64_t r1) {
+          gather_rows<kW>(r0, r1, rowptr_p, col_p, val_p, tile, out_p, n_out, b0, width);
         });
       }
     });
