@@ -17,8 +17,9 @@ __all__ = ["Machine", "measure_machine", "sparse_bound"]
 
 # Bytes per copied buffer when measuring bandwidth: large enough that caches hold little of it.
 _COPY_BYTES = 256 * 2**20
-# Side of the square matrices of the GEMM measuring the compute peak.
-_GEMM_SIZE = 4096
+# Side of the square matrices of the GEMM measuring the compute peak (large enough for MKL and
+# cuBLAS to reach their peak, small enough to take about a second on two CPU cores).
+_GEMM_SIZE = 2048
 
 
 @dataclass(frozen=True)
