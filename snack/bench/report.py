@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import textwrap
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def write_plot(path: Path, times: list[TimeRecord], title: str) -> None:
             ax.set_ylabel("speedup over dense nn.Linear")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2)
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle(textwrap.fill(title, width=55 * len(sizes)), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
