@@ -397,8 +397,9 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
             scatter_rows<kW, kFused>(bounds[p], bounds[p + 1], rowptr_p, col_p, val_p, tile, buf, x_tile, dval_p, b0 > 0);
           }
         });
-        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order
-        at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialWork / (parts * kW)), [&](int64_t c0, int64_t c1) {
+        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order; a memory-bound sum, so
+        // on one thread unless large, like a pack
+        at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialPack / (parts * kW)), [&](int64_t c0, int64_t c1) {
           for (int64_t c = c0; c < c1; ++c) {
             for (int64_t j = 0; j < width; ++j) {
               acc_t sum = buf_p[c * kW + j];
