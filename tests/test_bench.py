@@ -93,7 +93,10 @@ def test_roofline_bound():
     assert (train_flops, train_moved) == (3 * flops, 2 * weight + 50 * 4 + 2 * activations)
 
 
-@pytest.mark.parametrize("argv", [["--sizes", "4096"], ["--sizes", "0x5"], ["--sparsity", "1.0"], ["--batch", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--sizes", "4096"], ["--sizes", "0x5"], ["--sparsity", "1.0"], ["--batch", "0"], ["--device", "tpu"]],
+)
 def test_bad_arguments_are_rejected(argv):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
