@@ -36,7 +36,7 @@ namespace {
 
 using index_t = int32_t;
 
-// Accumulation type: float for float/bfloat16, double for double.
+// Accumulation type: float for float, bfloat16 and half; double for double.
 template <typename scalar_t>
 using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
@@ -323,7 +323,7 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   const int64_t B = x.size(0), n_in = x.size(1), n_out = rowptr.numel() - 1, nnz = values.numel();
   at::Tensor out = at::empty({B, n_out}, x.options());
   if (B == 0 || n_out == 0) return out;
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "snack_cpu_spmm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "snack_cpu_spmm", [&] {
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, n_in, sizeof(acc_t));
     Scratch scratch;
@@ -363,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
     if (kFused) dvalues.zero_();
     return {dx, dvalues};
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "snack_cpu_spmm_t", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "snack_cpu_spmm_t", [&] {
     using acc_t = acc_type<scalar_t>;
     // the (in, W) accumulator, and with kFused the (in, W) tile of x, should stay in L2
     const int W = tile_width(B, (kFused ? 2 : 1) * in_features, sizeof(acc_t));
@@ -480,7 +480,7 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
   at::Tensor out = at::empty({nnz}, dy.options());
   if (nnz == 0) return out;
   if (B == 0) return out.zero_();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "snack_cpu_sddmm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "snack_cpu_sddmm", [&] {
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, x.size(1), sizeof(acc_t));
     Scratch scratch;
