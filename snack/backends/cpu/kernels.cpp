@@ -30,11 +30,11 @@
 #include <tuple>
 #include <type_traits>
 #include <unistd.h>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include <vector>
 
 namespace {
 
