@@ -48,6 +48,12 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 constexpr int64_t kSerialWork = 1 << 15;
 // Below this many elements a pack runs on one thread: it is a fast copy.
 constexpr int64_t kSerialPack = 1 << 20;
+// Outputs are (B, n) with the batch outer, so one row's W results go to W addresses n apart: when
+// n · 4 bytes is a multiple of 4 KiB they all fall in one L1 set and evict each other. Results of
+// kRowBlock consecutive rows are therefore kept together and written as W runs of kRowBlock
+// contiguous values (a 64-byte line for float).
+constexpr int64_t kRowBlock = 16;
+
 // Largest batch tile; a tile of W accumulators times the unroll factor fills the vector registers.
 constexpr int kMaxTile = 64;
 
@@ -247,6 +253,8 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
     constexpr int NV = W / 8;
     // U independent accumulator sets hide the FMA latency (U·NV >= 8 chains in flight).
     constexpr int U = std::max(1, 8 / NV);
+    V block[kRowBlock][NV];  // results of rows [block_start, r], written out together
+    int64_t block_start = r0;
     for (int64_t r = r0; r < r1; ++r) {
       V acc[U][NV] = {};
       const int64_t begin = rowptr[r], end = rowptr[r + 1];
@@ -271,7 +279,15 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
       for (int u = 1; u < U; ++u)
 #pragma GCC unroll 8
         for (int q = 0; q < NV; ++q) acc[0][q] += acc[u][q];
-      for (int64_t j = 0; j < width; ++j) out[(b0 + j) * n_out + r] = static_cast<scalar_t>(acc[0][j / 8][j % 8]);
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) block[r - block_start][q] = acc[0][q];
+      if (r + 1 - block_start == kRowBlock || r + 1 == r1) {
+        for (int64_t j = 0; j < width; ++j) {
+          scalar_t* line = out + (b0 + j) * n_out + block_start;
+          for (int64_t i = 0; i <= r - block_start; ++i) line[i] = static_cast<scalar_t>(block[i][j / 8][j % 8]);
+        }
+        block_start = r + 1;
+      }
     }
   }
 }
@@ -415,11 +431,16 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
         // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order; a memory-bound sum, so
         // on one thread unless large, like a pack
         at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialPack / (parts * kW)), [&](int64_t c0, int64_t c1) {
-          for (int64_t c = c0; c < c1; ++c) {
+          // blocks of kRowBlock columns: each batch row j gets one contiguous run (see kRowBlock)
+          for (int64_t cb = c0; cb < c1; cb += kRowBlock) {
+            const int64_t ce = std::min(c1, cb + kRowBlock);
             for (int64_t j = 0; j < width; ++j) {
-              acc_t sum = buf_p[c * kW + j];
-              for (int64_t p = 1; p < parts; ++p) sum += buf_p[(p * in_features + c) * kW + j];
-              out_p[(b0 + j) * in_features + c] = static_cast<scalar_t>(sum);
+              scalar_t* line = out_p + (b0 + j) * in_features;
+              for (int64_t c = cb; c < ce; ++c) {
+                acc_t sum = buf_p[c * kW + j];
+                for (int64_t p = 1; p < parts; ++p) sum += buf_p[(p * in_features + c) * kW + j];
+                line[c] = static_cast<scalar_t>(sum);
+              }
             }
           }
         });
