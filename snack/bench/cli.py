@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
         times, memory = run_grid(grid, machine, device, progress)
 
-    command = "snack bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "snack bench"
+    given = sys.argv[2:] if sys.argv[1:2] == ["bench"] else []
+    command = " ".join(["snack bench", *(shlex.quote(a) for a in given)])
     metadata = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_line(device),
