@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "snack.backends.triton.compile_check",
         "compile every Triton kernel ahead of time for the given GPU architectures (no GPU needed)",
     ),
+    "bench": ("snack.bench.cli", "benchmark sparse layers against dense, dense+mask and torch.sparse"),
 }
 
 

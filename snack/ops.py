@@ -15,6 +15,10 @@ op                 math                                                shapes
 ``in + 1``), so the schemas carry no sizes. The backward of each op is written with the other
 two, so gradients of any order stay sparse. The kernel registered for each device type asks
 :func:`snack.backends.resolve` which backend runs (see :func:`snack.use_backend`).
+
+A first-order backward of ``spmm`` that needs both gradients calls ``snack::spmm_backward``
+instead, which runs the backend's optional ``spmm_backward(dy, x, values, topo) -> (dx, dvalues)``
+(both in one pass over the weight) or, when the backend has none, its ``spmm_t`` and ``sddmm``.
 """
 
 from __future__ import annotations
@@ -90,6 +94,21 @@ def _sddmm_op(dy: Tensor, x: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, c
     return _sddmm_kernel(dy, x, row, col, rowptr, colptr, csc_perm)
 
 
+@torch.library.custom_op("snack::spmm_backward", mutates_args=())
+def _spmm_backward_op(
+    dy: Tensor, x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
+) -> tuple[Tensor, Tensor]:
+    topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
+    _check("spmm_t", dy, values, topo)
+    _check("sddmm", dy, x, topo)
+    backend = backends.resolve(dy.device)
+    dy, x, values = dy.contiguous(), x.contiguous(), values.contiguous()
+    fused = getattr(backend, "spmm_backward", None)
+    if fused is not None:
+        return fused(dy, x, values, topo)
+    return backend.spmm_t(dy, values, topo), backend.sddmm(dy, x, topo)
+
+
 for _op, _kernel in ((_spmm_op, _spmm_kernel), (_spmm_t_op, _spmm_t_kernel), (_sddmm_op, _sddmm_kernel)):
     _op.register_kernel("cpu")(_kernel)
     _op.register_kernel("cuda")(_kernel)
@@ -116,6 +135,14 @@ def _(dy, x, row, col, rowptr, colptr, csc_perm):
     return dy.new_empty(row.shape[0])
 
 
+@_spmm_backward_op.register_fake
+def _(dy, x, values, row, col, rowptr, colptr, csc_perm):
+    topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
+    _check("spmm_t", dy, values, topo)
+    _check("sddmm", dy, x, topo)
+    return dy.new_empty(dy.shape[0], colptr.shape[0] - 1), dy.new_empty(row.shape[0])
+
+
 # ---------------------------------------------------------------- autograd
 # Each op saves only what the requested gradients need, and its backward calls the other ops.
 
@@ -132,6 +159,10 @@ def _setup(ctx, inputs, output):
 
 def _spmm_backward(ctx, grad):
     x, values, *topo = ctx.saved_tensors
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not torch.is_grad_enabled():
+        # a training step's backward (no graph of the gradients wanted): both in one pass
+        dx, dvalues = torch.ops.snack.spmm_backward(grad, x, values, *topo)
+        return (dx, dvalues, *_NO_TOPOLOGY_GRADS)
     dx = torch.ops.snack.spmm_t(grad, values, *topo) if ctx.needs_input_grad[0] else None
     dvalues = torch.ops.snack.sddmm(grad, x, *topo) if ctx.needs_input_grad[1] else None
     return (dx, dvalues, *_NO_TOPOLOGY_GRADS)

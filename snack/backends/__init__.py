@@ -166,3 +166,4 @@ def resolve(device: torch.device) -> Backend:
 
 register_backend("reference", "snack.backends.reference")
 register_backend("triton", "snack.backends.triton", default_for=("cuda",))
+register_backend("cpu", "snack.backends.cpu", default_for=("cpu",))

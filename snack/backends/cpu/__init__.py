@@ -1,0 +1,126 @@
+"""The native CPU backend: C++ kernels (``kernels.cpp``) built once per machine, just in time.
+
+The kernels are compiled with :func:`torch.utils.cpp_extension.load` on first use (or ahead of
+time by ``python -m snack.backends.cpu --build``, which ``./dev`` runs during set-up) and cached
+under ``$SNACK_CACHE_DIR`` (default ``~/.cache/snack``). The cache key covers the source, the
+compiler flags, the torch version and the instruction set, so an edit or a torch upgrade
+rebuilds, and a cache shared between machines never runs code built for a wider instruction set.
+
+Instruction set: the kernels are compiled for the vector extension PyTorch itself uses on this
+machine (``torch.backends.cpu.get_cpu_capability()``: AVX-512, AVX2, or none), never with
+``-march=native``. ``ATEN_CPU_CAPABILITY=avx2`` lowers both.
+
+Shapes follow :mod:`snack.backends`: ``spmm`` ``x (B, in)`` → ``(B, out)``, ``spmm_t``
+``dy (B, out)`` → ``(B, in)``, ``sddmm`` → ``(nnz,)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from snack.topology import TopologyTensors
+
+__all__ = ["BuildError", "build", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+
+_SOURCE = Path(__file__).with_name("kernels.cpp")
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+# Vector extensions per PyTorch CPU capability. FMA comes with every AVX2 machine.
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"],
+}
+
+
+class BuildError(RuntimeError):
+    """The native CPU kernels could not be compiled or loaded."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SNACK_CACHE_DIR") or Path.home() / ".cache" / "snack")
+
+
+def _build_spec() -> tuple[str, list[str], Path]:
+    """``(library name, compiler flags, build directory)`` for this machine and source."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _COMMON_FLAGS + _ISA_FLAGS.get(capability, [])
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()):
+        key.update(part)
+    name = f"snack_cpu_{capability.lower()}_{key.hexdigest()[:12]}"
+    return name, flags, _cache_dir() / name
+
+
+def build(*, verbose: bool | None = None) -> Path:
+    """Compile the kernels if the cache lacks them, load them, and return the library's path.
+
+    ``verbose`` (default: the ``SNACK_BUILD_VERBOSE`` environment variable is set) shows the
+    compiler's output.
+
+    Raises:
+        BuildError: with the compiler's message when the build fails.
+    """
+    if verbose is None:
+        verbose = bool(os.environ.get("SNACK_BUILD_VERBOSE"))
+    name, flags, build_dir = _build_spec()
+    library = build_dir / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return library
+    print("snack: compiling native CPU kernels (one-time, about 30 s)...", file=sys.stderr, flush=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension  # heavy import, only needed to build
+
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as error:  # compiler missing, compile error, ninja failure: all reported the same way
+        raise BuildError(
+            f"building snack's native CPU kernels failed ({type(error).__name__}: {error}). "
+            f"They need a C++17 compiler (g++ or clang++) and ninja; the build directory is {build_dir}. "
+            "Run `python -m snack.backends.cpu --build --verbose` for the full log, or use "
+            "snack.use_backend('reference') to run without them (slowly)."
+        ) from error
+    return library
+
+
+build()
+_ops = torch.ops.snack_cpu
+
+
+def supports(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+def spmm(x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
+    """``Y = X·Wᵀ``: ``x (B, in)`` → ``(B, out)``."""
+    return _ops.spmm(x, values, topo.rowptr, topo.col)
+
+
+def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
+    """``dX = dY·W``: ``dy (B, out)`` → ``(B, in)``. Walks rows and scatters into per-thread
+    accumulators (no atomics); faster here than the column walk through ``csc_perm``."""
+    return _ops.spmm_t(dy, values, topo.rowptr, topo.col, topo.colptr.numel() - 1)
+
+
+def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
+    """``out[k] = Σ_b dy[b, row_k]·x[b, col_k]``: ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``."""
+    return _ops.sddmm(dy, x, topo.rowptr, topo.col)
+
+
+def spmm_backward(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors) -> tuple[Tensor, Tensor]:
+    """``(spmm_t(dy, values), sddmm(dy, x))`` in one pass over the weight: ``dy (B, out)``,
+    ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,))``."""
+    return _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col)

@@ -1,0 +1,563 @@
+// Native CPU kernels for snack's three sparse ops, registered as torch.ops.snack_cpu.*.
+//
+// W is a sparse out × in matrix in CSR form: `rowptr (out+1)`, `col (nnz)`, `values (nnz)`.
+//
+//   spmm   (x (B,in),   values, rowptr, col)              -> y (B,out)   y  = x · Wᵀ
+//   spmm_t (dy (B,out), values, rowptr, col, in_features) -> dx (B,in)   dx = dy · W
+//   sddmm  (dy (B,out), x (B,in), rowptr, col)            -> (nnz,)      Σ_b dy[b,row_k]·x[b,col_k]
+//   spmm_backward (dy, x, values, rowptr, col)            -> (spmm_t(dy), sddmm(dy, x)) in one pass
+//
+// Layout: the batch is the inner, contiguous dimension. The dense operands (x for spmm, dy for
+// spmm_t, both for sddmm) are packed once per call into tiles
+// `(tiles, n, W)`: tile t holds batch columns [t·W, t·W + W) of every gathered row, zero-padded,
+// so each non-zero reads one contiguous W-vector, W is a compile-time constant the compiler
+// unrolls into registers, and one tile (n · W values) is sized to stay in L2 while all rows
+// stream past it. B = 1 uses W = 1 (a sparse matrix-vector product).
+//
+// Parallelism: rows are split into chunks of about equal work (non-zeros + rows) and run with
+// at::parallel_for. In spmm and sddmm every output element is written by exactly one chunk; in
+// spmm_t each thread scatters into a private accumulator and these are summed (see spmm_t).
+// No atomics anywhere.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <unistd.h>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using index_t = int32_t;
+
+// Accumulation type: float for float, bfloat16 and half; double for double.
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Below this many multiply-adds a call runs on one thread: waking the pool costs more.
+constexpr int64_t kSerialWork = 1 << 15;
+// Below this many elements a pack runs on one thread: it is a fast copy.
+constexpr int64_t kSerialPack = 1 << 20;
+// Outputs are (B, n) with the batch outer, so one row's W results go to W addresses n apart: when
+// n · 4 bytes is a multiple of 4 KiB they all fall in one L1 set and evict each other. Results of
+// kRowBlock consecutive rows are therefore kept together and written as W runs of kRowBlock
+// contiguous values (a 64-byte line for float).
+constexpr int64_t kRowBlock = 16;
+
+// Largest batch tile; a tile of W accumulators times the unroll factor fills the vector registers.
+constexpr int kMaxTile = 64;
+
+// Bytes of one packed tile that may occupy L2: half of it, the rest is for the streamed indices
+// and values. Read from the OS; 512 KiB (a common L2 size) if it does not say.
+int64_t tile_budget_bytes() {
+  static const int64_t budget = [] {
+    long l2 = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return (l2 > 0 ? static_cast<int64_t>(l2) : int64_t{512} * 1024) / 2;
+  }();
+  return budget;
+}
+
+// Batch tile width for a batch of B gathered from rows of length n. W = 1 for B = 1;
+// otherwise a multiple of 8 (one AVX2 float vector), at most kMaxTile, small enough that a
+// packed tile fits the L2 budget, and spread evenly so the last tile is not mostly padding.
+int tile_width(int64_t B, int64_t n, int64_t elem_size) {
+  if (B == 1) return 1;
+  const int64_t fits = tile_budget_bytes() / std::max<int64_t>(1, n * elem_size);
+  const int64_t cap = std::clamp<int64_t>(fits / 8 * 8, 8, kMaxTile);
+  const int64_t tiles = (B + cap - 1) / cap;
+  const int64_t even = (B + tiles - 1) / tiles;
+  // instantiated widths: 8, 16, 24, 32, 48, 64
+  for (int w : {8, 16, 24, 32, 48, 64}) {
+    if (w >= even) return w;
+  }
+  return kMaxTile;
+}
+
+// Calls f(std::integral_constant<int, W>{}) for the runtime width w (one of tile_width's values).
+template <typename F>
+void with_width(int w, F&& f) {
+  switch (w) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 24: return f(std::integral_constant<int, 24>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 48: return f(std::integral_constant<int, 48>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    default: TORCH_CHECK(false, "snack_cpu: internal error, unsupported tile width ", w);
+  }
+}
+
+// Splits segments [0, n) of a pointer array `ptr (n+1)` into at most `pieces` contiguous ranges of
+// about equal cost, cost(segment i) = its length + 1 (the +1 is the per-row output write).
+// Returns the range boundaries (first 0, last n).
+std::vector<int64_t> balanced_bounds(const index_t* ptr, int64_t n, int64_t pieces) {
+  std::vector<int64_t> bounds{0};
+  const int64_t total = static_cast<int64_t>(ptr[n]) + n;
+  int64_t lo = 0;
+  for (int64_t i = 1; i < pieces; ++i) {
+    const int64_t target = total * i / pieces;
+    // first r in [lo, n] with ptr[r] + r >= target (cost before segment r)
+    int64_t a = lo, b = n;
+    while (a < b) {
+      const int64_t mid = (a + b) / 2;
+      if (static_cast<int64_t>(ptr[mid]) + mid < target) a = mid + 1; else b = mid;
+    }
+    if (a > bounds.back()) bounds.push_back(a);
+    lo = a;
+  }
+  if (bounds.back() != n) bounds.push_back(n);
+  return bounds;
+}
+
+// Runs body(begin, end) over segments [0, n) of `ptr`, in parallel when the work (multiply-adds)
+// is large enough: one range of about equal cost per thread (at::parallel_for hands out equal
+// index ranges, so the balancing by non-zeros happens here).
+template <typename F>
+void parallel_segments(const index_t* ptr, int64_t n, int64_t work, const F& body) {
+  if (n == 0) return;
+  const int64_t threads = at::get_num_threads();
+  if (work < kSerialWork || threads == 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  const auto bounds = balanced_bounds(ptr, n, std::min<int64_t>(n, threads));
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) body(bounds[c], bounds[c + 1]);
+  });
+}
+
+// Memory for one call's temporaries (packed tiles, accumulators). A fresh large allocation pays
+// a page fault per 4 KiB on every call, which costs as much as a small layer's whole kernel, so
+// buffers up to kScratchCap are kept per calling thread, one per slot, and reused; larger ones
+// (rare, huge layers) are allocated per call and freed, their page faults small beside the work.
+class Scratch {
+ public:
+  enum Slot { kPackA, kPackB, kAccumulator, kValues, kSlots };
+
+  template <typename T>
+  T* get(Slot slot, int64_t count) {
+    const int64_t bytes = std::max<int64_t>(1, count) * static_cast<int64_t>(sizeof(T));
+    if (bytes > kScratchCap) {
+      owned_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte)));
+      return reinterpret_cast<T*>(owned_.back().mutable_data_ptr());
+    }
+    auto& buffer = pool()[slot];
+    if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes);
+    return reinterpret_cast<T*>(buffer.data());
+  }
+
+ private:
+  static constexpr int64_t kScratchCap = int64_t{64} << 20;
+  // operator new aligns to alignof(std::max_align_t), enough for float and double
+  static std::array<std::vector<char>, kSlots>& pool() {
+    thread_local std::array<std::vector<char>, kSlots> buffers;
+    return buffers;
+  }
+  std::vector<at::Tensor> owned_;
+};
+
+// Packs a (B, n) row-major matrix into tiles (tiles, n, W) of acc_t, zero-padding the batch.
+template <typename scalar_t, typename acc_t>
+const acc_t* pack_tiles(const at::Tensor& a, int W, Scratch& scratch, Scratch::Slot slot) {
+  const int64_t B = a.size(0), n = a.size(1);
+  const int64_t tiles = (B + W - 1) / W;
+  const scalar_t* src = a.const_data_ptr<scalar_t>();
+  acc_t* dst = scratch.get<acc_t>(slot, tiles * n * W);
+  at::parallel_for(0, n, std::max<int64_t>(1, kSerialPack / std::max<int64_t>(1, B)), [&](int64_t i0, int64_t i1) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t b0 = t * W, width = std::min<int64_t>(W, B - b0);
+      for (int64_t i = i0; i < i1; ++i) {
+        acc_t* out = dst + (t * n + i) * W;
+        for (int64_t j = 0; j < width; ++j) out[j] = static_cast<acc_t>(src[(b0 + j) * n + i]);
+        for (int64_t j = width; j < W; ++j) out[j] = acc_t(0);
+      }
+    }
+  });
+  return dst;
+}
+
+// Eight accumulators as one GCC/Clang vector: an AVX2 register for float, two for double. Written
+// with vector types rather than left to the auto-vectoriser, which does not reliably keep 2-D
+// accumulator arrays in registers. Loads may be unaligned (aligned(alignof(T))).
+template <typename T>
+struct Vec8 {
+  typedef T type __attribute__((vector_size(8 * sizeof(T)), aligned(alignof(T))));
+};
+template <typename T>
+using vec8 = typename Vec8<T>::type;
+
+// Sum of the eight lanes: three shuffle+add steps instead of seven scalar extracts and adds.
+template <typename V>
+inline auto lane_sum(V v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  return v[0];
+}
+
+// spmm for rows [r0, r1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
+// row's non-zeros into W accumulators and writes them to out[(b0 + j) · n_out + r] for the
+// `width` real batch columns j of this tile.
+template <int W, typename scalar_t, typename acc_t>
+void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
+                 const acc_t* packed, scalar_t* out, int64_t n_out, int64_t b0, int64_t width) {
+  if constexpr (W == 1) {
+    // sparse matrix-vector product, eight non-zeros at a time: values load as one vector, the
+    // eight x entries are gathered into another (AVX2's gather instruction for float: measured
+    // ~1.5x faster here than assembling the vector from scalar loads), one vector multiply-add.
+    using V = vec8<acc_t>;
+    for (int64_t r = r0; r < r1; ++r) {
+      V acc = {};
+      const int64_t begin = rowptr[r], end = rowptr[r + 1];
+      int64_t k = begin;
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        __m256 a = _mm256_setzero_ps();
+        for (; k + 8 <= end; k += 8) {
+          const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + k));
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(values + k), _mm256_i32gather_ps(packed, c, 4), a);
+        }
+        _mm256_storeu_ps(reinterpret_cast<float*>(&acc), a);
+      }
+#endif
+      for (; k + 8 <= end; k += 8) {
+        V v, g;
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) {
+          v[u] = static_cast<acc_t>(values[k + u]);
+          g[u] = packed[col[k + u]];
+        }
+        acc += v * g;
+      }
+      acc_t tail = 0;
+      for (; k < end; ++k) tail += static_cast<acc_t>(values[k]) * packed[col[k]];
+      out[r] = static_cast<scalar_t>(lane_sum(acc) + tail);
+    }
+  } else {
+    using V = vec8<acc_t>;
+    constexpr int NV = W / 8;
+    // U independent accumulator sets hide the FMA latency (U·NV >= 8 chains in flight).
+    constexpr int U = std::max(1, 8 / NV);
+    V block[kRowBlock][NV];  // results of rows [block_start, r], written out together
+    int64_t block_start = r0;
+    for (int64_t r = r0; r < r1; ++r) {
+      V acc[U][NV] = {};
+      const int64_t begin = rowptr[r], end = rowptr[r + 1];
+      int64_t p = begin;
+      for (; p + U <= end; p += U) {
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) {
+          const int64_t k = p + u;
+          const acc_t v = static_cast<acc_t>(values[k]);
+          const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(col[k]) * W);
+#pragma GCC unroll 8
+          for (int q = 0; q < NV; ++q) acc[u][q] += v * g[q];
+        }
+      }
+      for (int64_t k = p; k < end; ++k) {
+        const acc_t v = static_cast<acc_t>(values[k]);
+        const V* g = reinterpret_cast<const V*>(packed + static_cast<int64_t>(col[k]) * W);
+#pragma GCC unroll 8
+        for (int q = 0; q < NV; ++q) acc[0][q] += v * g[q];
+      }
+#pragma GCC unroll 8
+      for (int u = 1; u < U; ++u)
+#pragma GCC unroll 8
+        for (int q = 0; q < NV; ++q) acc[0][q] += acc[u][q];
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) block[r - block_start][q] = acc[0][q];
+      if (r + 1 - block_start == kRowBlock || r + 1 == r1) {
+        for (int64_t j = 0; j < width; ++j) {
+          scalar_t* line = out + (b0 + j) * n_out + block_start;
+          for (int64_t i = 0; i <= r - block_start; ++i) line[i] = static_cast<scalar_t>(block[i][j / 8][j % 8]);
+        }
+        block_start = r + 1;
+      }
+    }
+  }
+}
+
+// spmm_t for rows [r0, r1) of one batch tile: scatters values[k] · dyt[r] into buf[col[k]], a
+// (in, W) accumulator private to the calling thread. dyt[r] stays in registers for the whole
+// row; values and col stream sequentially. With kFused, also the sddmm of the same non-zeros,
+// dval[k] (+)= dyt[r] · xt[col[k]], in the same pass (the fused backward of spmm).
+template <int W, bool kFused, typename scalar_t, typename acc_t>
+void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
+                  const acc_t* dyt, acc_t* buf, const acc_t* xt, acc_t* dval, bool accumulate) {
+  if constexpr (W == 1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const acc_t d = dyt[r];
+      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        buf[col[k]] += static_cast<acc_t>(values[k]) * d;
+        if constexpr (kFused) dval[k] = (accumulate ? dval[k] : acc_t(0)) + d * xt[col[k]];
+      }
+    }
+  } else {
+    using V = vec8<acc_t>;
+    constexpr int NV = W / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+      V d[NV];
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) d[q] = reinterpret_cast<const V*>(dyt + r * W)[q];
+      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        const int64_t c = col[k];
+        const acc_t v = static_cast<acc_t>(values[k]);
+        V* o = reinterpret_cast<V*>(buf + c * W);
+#pragma GCC unroll 8
+        for (int q = 0; q < NV; ++q) o[q] += v * d[q];
+        if constexpr (kFused) {
+          const V* g = reinterpret_cast<const V*>(xt + c * W);
+          V prod = d[0] * g[0];
+#pragma GCC unroll 8
+          for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
+          const acc_t s = lane_sum(prod);
+          dval[k] = accumulate ? dval[k] + s : s;
+        }
+      }
+    }
+  }
+}
+
+void check_common(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& rowptr,
+                  const at::Tensor& col) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "snack_cpu.", op, ": tensors must be on the CPU");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous(), "snack_cpu.", op, ": dense input must be a contiguous 2-D tensor, got shape ",
+              a.sizes());
+  TORCH_CHECK(b.is_contiguous() && b.scalar_type() == a.scalar_type(), "snack_cpu.", op,
+              ": second input must be contiguous with dtype ", a.scalar_type(), ", got ", b.scalar_type());
+  for (const auto& t : {rowptr, col}) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() && t.scalar_type() == at::kInt, "snack_cpu.", op,
+                ": rowptr and col must be contiguous 1-D int32 CPU tensors");
+  }
+  TORCH_CHECK(rowptr.numel() >= 1, "snack_cpu.", op, ": rowptr must have out_features + 1 >= 1 entries");
+}
+
+// y (B, out) = x (B, in) · Wᵀ, parallel over rows of W.
+at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col) {
+  check_common("spmm", x, values, rowptr, col);
+  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm: values and col must have the same length");
+  const int64_t B = x.size(0), n_in = x.size(1), n_out = rowptr.numel() - 1, nnz = values.numel();
+  at::Tensor out = at::empty({B, n_out}, x.options());
+  if (B == 0 || n_out == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "snack_cpu_spmm", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const int W = tile_width(B, n_in, sizeof(acc_t));
+    Scratch scratch;
+    const acc_t* packed = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
+    const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
+    const index_t* col_p = col.const_data_ptr<index_t>();
+    const scalar_t* val_p = values.const_data_ptr<scalar_t>();
+    scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
+    with_width(W, [&](auto w) {
+      constexpr int kW = decltype(w)::value;
+      for (int64_t b0 = 0; b0 < B; b0 += kW) {
+        const acc_t* tile = packed + (b0 / kW) * n_in * kW;
+        const int64_t width = std::min<int64_t>(kW, B - b0);
+        parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t r0, int64_t r1) {
+          gather_rows<kW>(r0, r1, rowptr_p, col_p, val_p, tile, out_p, n_out, b0, width);
+        });
+      }
+    });
+  });
+  return out;
+}
+
+// dx (B, in) = dy (B, out) · W, and with kFused also dvalues = sddmm(dy, x) in the same pass.
+// Walking W by column (through csc_perm) reads values and row indices in random order, which
+// measured ~10x slower than spmm on this machine; instead each thread walks a balanced range of
+// rows sequentially and scatters into its own (in, W) accumulator, and the accumulators are
+// summed at the end: no atomics, and the result does not depend on thread timing (only on the
+// thread count, through the summation order).
+template <bool kFused>
+std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const at::Tensor& values,
+                                                   const at::Tensor& rowptr, const at::Tensor& col, int64_t in_features,
+                                                   const at::Tensor& x) {
+  const int64_t B = dy.size(0), n_out = rowptr.numel() - 1, nnz = values.numel();
+  at::Tensor dx = at::empty({B, in_features}, dy.options());
+  at::Tensor dvalues = kFused ? at::empty({nnz}, dy.options()) : at::Tensor();
+  if (B == 0 || in_features == 0) {
+    if (kFused) dvalues.zero_();
+    return {dx, dvalues};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "snack_cpu_spmm_t", [&] {
+    using acc_t = acc_type<scalar_t>;
+    // the (in, W) accumulator, and with kFused the (in, W) tile of x, should stay in L2
+    const int W = tile_width(B, (kFused ? 2 : 1) * in_features, sizeof(acc_t));
+    Scratch scratch;
+    const acc_t* packed = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackA);
+    const acc_t* xt = kFused ? pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackB) : nullptr;
+    const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
+    const index_t* col_p = col.const_data_ptr<index_t>();
+    const scalar_t* val_p = values.const_data_ptr<scalar_t>();
+    scalar_t* out_p = dx.mutable_data_ptr<scalar_t>();
+    // dvalues accumulates across tiles in acc_t: straight into the output when it is acc_t
+    acc_t* dval_p = nullptr;
+    if constexpr (kFused) {
+      dval_p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(dvalues.mutable_data_ptr<scalar_t>())
+                                               : scratch.get<acc_t>(Scratch::kValues, nnz);
+    }
+    const bool serial = nnz * W < kSerialWork || at::get_num_threads() == 1 || n_out < 2;
+    const auto bounds = balanced_bounds(rowptr_p, n_out, serial ? 1 : std::min<int64_t>(n_out, at::get_num_threads()));
+    const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+    acc_t* buf_p = scratch.get<acc_t>(Scratch::kAccumulator, parts * in_features * W);
+    with_width(W, [&](auto w) {
+      constexpr int kW = decltype(w)::value;
+      for (int64_t b0 = 0; b0 < B; b0 += kW) {
+        const acc_t* tile = packed + (b0 / kW) * n_out * kW;
+        const acc_t* x_tile = kFused ? xt + (b0 / kW) * in_features * kW : nullptr;
+        const int64_t width = std::min<int64_t>(kW, B - b0);
+        at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p) {
+            acc_t* buf = buf_p + p * in_features * kW;
+            std::fill(buf, buf + in_features * kW, acc_t(0));
+            scatter_rows<kW, kFused>(bounds[p], bounds[p + 1], rowptr_p, col_p, val_p, tile, buf, x_tile, dval_p, b0 > 0);
+          }
+        });
+        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order; a memory-bound sum, so
+        // on one thread unless large, like a pack
+        at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialPack / (parts * kW)), [&](int64_t c0, int64_t c1) {
+          // blocks of kRowBlock columns: each batch row j gets one contiguous run (see kRowBlock)
+          for (int64_t cb = c0; cb < c1; cb += kRowBlock) {
+            const int64_t ce = std::min(c1, cb + kRowBlock);
+            for (int64_t j = 0; j < width; ++j) {
+              scalar_t* line = out_p + (b0 + j) * in_features;
+              for (int64_t c = cb; c < ce; ++c) {
+                acc_t sum = buf_p[c * kW + j];
+                for (int64_t p = 1; p < parts; ++p) sum += buf_p[(p * in_features + c) * kW + j];
+                line[c] = static_cast<scalar_t>(sum);
+              }
+            }
+          }
+        });
+      }
+    });
+    if constexpr (kFused && !std::is_same_v<scalar_t, acc_t>) {
+      scalar_t* dvalues_p = dvalues.mutable_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < nnz; ++k) dvalues_p[k] = static_cast<scalar_t>(dval_p[k]);
+    }
+  });
+  return {dx, dvalues};
+}
+
+at::Tensor spmm_t(const at::Tensor& dy, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col,
+                  int64_t in_features) {
+  check_common("spmm_t", dy, values, rowptr, col);
+  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_t: values and col must have the same length");
+  TORCH_CHECK(in_features >= 0, "snack_cpu.spmm_t: in_features must be >= 0, got ", in_features);
+  TORCH_CHECK(dy.size(1) == rowptr.numel() - 1, "snack_cpu.spmm_t: dy must have shape (B, ", rowptr.numel() - 1,
+              "), got ", dy.sizes());
+  return std::get<0>(scatter_product<false>(dy, values, rowptr, col, in_features, at::Tensor()));
+}
+
+// The backward of y = x · Wᵀ in one pass over W: (dx = dy · W, dvalues = sddmm(dy, x)).
+std::tuple<at::Tensor, at::Tensor> spmm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& values,
+                                                 const at::Tensor& rowptr, const at::Tensor& col) {
+  check_common("spmm_backward", dy, values, rowptr, col);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dy.scalar_type() && x.device().is_cpu(),
+              "snack_cpu.spmm_backward: x must be a contiguous 2-D CPU tensor with dy's dtype");
+  TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_backward: values and col must have the same length");
+  TORCH_CHECK(dy.size(1) == rowptr.numel() - 1 && x.size(0) == dy.size(0), "snack_cpu.spmm_backward: dy must be (B, ",
+              rowptr.numel() - 1, ") and x (B, in), got ", dy.sizes(), " and ", x.sizes());
+  return scatter_product<true>(dy, values, rowptr, col, x.size(1), x);
+}
+
+// out[k] (+)= Σ_j dyt[row_k][j] · xt[col_k][j] over one tile, for rows [r0, r1).
+template <int W, typename acc_t>
+void sddmm_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const acc_t* dyt, const acc_t* xt,
+                acc_t* out, bool accumulate) {
+  if constexpr (W == 1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const acc_t d = dyt[r];
+      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        const acc_t s = d * xt[col[k]];
+        out[k] = accumulate ? out[k] + s : s;
+      }
+    }
+  } else {
+    using V = vec8<acc_t>;
+    constexpr int NV = W / 8;
+    for (int64_t r = r0; r < r1; ++r) {
+      V d[NV];
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) d[q] = reinterpret_cast<const V*>(dyt + r * W)[q];
+      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+        const V* g = reinterpret_cast<const V*>(xt + static_cast<int64_t>(col[k]) * W);
+        V prod = d[0] * g[0];
+#pragma GCC unroll 8
+        for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
+        const acc_t s = lane_sum(prod);
+        out[k] = accumulate ? out[k] + s : s;
+      }
+    }
+  }
+}
+
+// dvalues (nnz,) = Σ_b dy[b, row_k] · x[b, col_k], parallel over rows.
+at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& rowptr, const at::Tensor& col) {
+  check_common("sddmm", dy, x, rowptr, col);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "snack_cpu.sddmm: x must be a contiguous 2-D tensor");
+  TORCH_CHECK(dy.size(0) == x.size(0), "snack_cpu.sddmm: dy and x must have the same batch size");
+  const int64_t B = dy.size(0), n_out = rowptr.numel() - 1, nnz = col.numel();
+  at::Tensor out = at::empty({nnz}, dy.options());
+  if (nnz == 0) return out;
+  if (B == 0) return out.zero_();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "snack_cpu_sddmm", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const int W = tile_width(B, x.size(1), sizeof(acc_t));
+    Scratch scratch;
+    const acc_t* xt = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
+    const acc_t* dyt = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackB);
+    // accumulate across tiles in acc_t; write straight into `out` when it already is acc_t
+    acc_t* acc_p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(out.mutable_data_ptr<scalar_t>())
+                                                   : scratch.get<acc_t>(Scratch::kValues, nnz);
+    const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
+    const index_t* col_p = col.const_data_ptr<index_t>();
+    with_width(W, [&](auto w) {
+      constexpr int kW = decltype(w)::value;
+      for (int64_t b0 = 0; b0 < B; b0 += kW) {
+        const int64_t t = b0 / kW;
+        const acc_t* xt_p = xt + t * x.size(1) * kW;
+        const acc_t* dyt_p = dyt + t * n_out * kW;
+        parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t r0, int64_t r1) {
+          sddmm_rows<kW>(r0, r1, rowptr_p, col_p, dyt_p, xt_p, acc_p, b0 > 0);
+        });
+      }
+    });
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
+      for (int64_t k = 0; k < nnz; ++k) out_p[k] = static_cast<scalar_t>(acc_p[k]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(snack_cpu, m) {
+  m.def("spmm(Tensor x, Tensor values, Tensor rowptr, Tensor col) -> Tensor");
+  m.def("spmm_t(Tensor dy, Tensor values, Tensor rowptr, Tensor col, int in_features) -> Tensor");
+  m.def("sddmm(Tensor dy, Tensor x, Tensor rowptr, Tensor col) -> Tensor");
+  m.def("spmm_backward(Tensor dy, Tensor x, Tensor values, Tensor rowptr, Tensor col) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
+  m.impl("spmm", &spmm);
+  m.impl("spmm_t", &spmm_t);
+  m.impl("sddmm", &sddmm);
+  m.impl("spmm_backward", &spmm_backward);
+}

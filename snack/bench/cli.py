@@ -1,0 +1,154 @@
+"""``snack bench``: the layer benchmark (dense, dense+mask, torch.sparse CSR, snack).
+
+Writes ``<device>_layer.json``, ``<device>_layer.csv`` and ``<device>_speedup.png`` under
+``--out`` and prints the tables (markdown) to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from snack.backends import default_backend_name
+from snack.bench.harness import MODES, Grid, run_grid
+from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
+from snack.bench.roofline import measure_machine
+from snack.topology import check_sparsity
+
+__all__ = ["add_arguments", "run"]
+
+FULL = dict(sizes=["4096x4096", "768x3072"], sparsity=[0.9, 0.95, 0.99], batch=[1, 8, 32, 128], repeats=7)
+QUICK = dict(sizes=["768x3072"], sparsity=[0.9, 0.99], batch=[1, 32], repeats=3)
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        out_features, in_features = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like OUTxIN (e.g. 4096x4096), got {text!r}") from None
+    if out_features < 1 or in_features < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return out_features, in_features
+
+
+def _sparsity(text: str) -> float:
+    try:
+        return check_sparsity(float(text))
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}")
+    return device
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", nargs="+", type=_size, metavar="OUTxIN",
+                        help=f"weight shapes, out_features x in_features (default: {' '.join(FULL['sizes'])})")
+    parser.add_argument("--sparsity", nargs="+", type=_sparsity, help=f"default: {FULL['sparsity']}")
+    parser.add_argument("--batch", nargs="+", type=_positive, help=f"default: {FULL['batch']}")
+    parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES), help="default: both")
+    parser.add_argument("--repeats", type=_positive, help=f"interleaved samples per variant and point (default {FULL['repeats']})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid for a check in about a minute (explicit options still override it)")
+    parser.add_argument("--device", type=_device, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--threads", type=_positive, help="CPU threads for every variant (default: torch's, all cores)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="output folder (default: benchmarks)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def machine_line(device: torch.device) -> str:
+    """One line naming the hardware and software a result was measured on."""
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as info:
+                model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, " \
+                   f"{torch.backends.cpu.get_cpu_capability()}"
+    return f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
+
+
+def run(args: argparse.Namespace) -> int:
+    defaults = QUICK if args.quick else FULL
+    device = args.device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("snack bench: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    grid = Grid(
+        sizes=tuple(args.sizes or [_size(s) for s in defaults["sizes"]]),
+        sparsities=tuple(args.sparsity or defaults["sparsity"]),
+        batches=tuple(args.batch or defaults["batch"]),
+        modes=tuple(args.mode),
+        repeats=args.repeats or defaults["repeats"],
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+
+    backend = default_backend_name(device.type)
+    print(f"snack bench on {machine_line(device)}; snack backend: {backend}", file=sys.stderr)
+    machine = measure_machine(device)
+    print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, dense GEMM {machine.peak_flops / 1e9:.0f} GFLOP/s",
+          file=sys.stderr)
+    with tqdm(total=grid.points(), desc="snack bench", unit="point", disable=args.no_progress, file=sys.stderr) as bar:
+        def progress(description: str) -> None:
+            bar.set_postfix_str(description)
+            bar.update()
+
+        times, memory = run_grid(grid, machine, device, progress)
+
+    given = sys.argv[2:] if sys.argv[1:2] == ["bench"] else []
+    command = " ".join(["snack bench", *(shlex.quote(a) for a in given)])
+    metadata = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_line(device),
+        "device": str(device),
+        "backend": backend,
+        "command": command,
+        # other work on the machine shows up as noise: record how busy it was
+        "load_average_1min_at_end": os.getloadavg()[0],
+        "bandwidth_bytes_per_s": machine.bandwidth,
+        "peak_flops_per_s": machine.peak_flops,
+        "grid": {"sizes": grid.sizes, "sparsities": grid.sparsities, "batches": grid.batches, "modes": grid.modes,
+                 "repeats": grid.repeats},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = device.type
+    write_json(args.out / f"{stem}_layer.json", metadata, times, memory)
+    write_csv(args.out / f"{stem}_layer.csv", times)
+    title = f"{metadata['machine']} — {metadata['date']}"
+    write_plot(args.out / f"{stem}_speedup.png", times, title)
+
+    print(f"\n{metadata['date']} · {metadata['machine']} · `{command}`")
+    print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, peak {machine.peak_flops / 1e9:.0f} GFLOP/s; "
+          "× = speedup over dense nn.Linear (ratio of medians); distance = snack time / roofline bound\n")
+    print(format_table(times))
+    print("\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n")
+    print(format_memory(memory))
+    print(f"\nwrote {args.out / (stem + '_layer.json')}, .csv and {args.out / (stem + '_speedup.png')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,169 @@
+"""The layer benchmark: every variant on every grid point, interleaved, in one process.
+
+For each ``(size, sparsity)`` the variants are built once from one topology. For each
+``(batch, mode)`` every variant is warmed up, then ``repeats`` rounds each take one sample of
+every variant, in an order that rotates between rounds, so drift on a shared machine affects
+all variants alike. Reported: median seconds per call and the interquartile range, the
+speedups over ``dense`` and ``dense+mask`` (ratios of medians), snack's roofline bound and its
+distance to it, and each variant's training memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from snack.bench.roofline import Machine, sparse_bound
+from snack.bench.timing import Timer
+from snack.bench.variants import build_variants
+
+__all__ = ["Grid", "MemoryRecord", "TimeRecord", "run_grid", "select"]
+
+MODES = ("inference", "training")
+
+
+@dataclass(frozen=True)
+class Grid:
+    sizes: tuple[tuple[int, int], ...]  # (out_features, in_features)
+    sparsities: tuple[float, ...]
+    batches: tuple[int, ...]
+    modes: tuple[str, ...] = MODES
+    repeats: int = 7
+
+    def points(self) -> int:
+        return len(self.sizes) * len(self.sparsities) * len(self.batches) * len(self.modes)
+
+
+@dataclass
+class TimeRecord:
+    """One variant at one grid point. Times in milliseconds per call."""
+
+    out_features: int
+    in_features: int
+    sparsity: float
+    batch: int
+    mode: str
+    variant: str
+    median_ms: float
+    q25_ms: float
+    q75_ms: float
+    speedup_vs_dense: float = float("nan")
+    speedup_vs_mask: float = float("nan")
+    bound_ms: float = float("nan")  # snack only: the roofline bound
+    distance: float = float("nan")  # snack only: median / bound
+    samples_ms: list[float] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class MemoryRecord:
+    """Training memory of one variant (bytes): parameters, gradients, Adam state, structure."""
+
+    out_features: int
+    in_features: int
+    sparsity: float
+    variant: str
+    params: int
+    grads: int
+    adam: int
+    structure: int
+    total: int
+    reduction_vs_dense: float = float("nan")  # 1 - total / dense total
+
+
+def _quartiles(samples: list[float]) -> tuple[float, float, float]:
+    if len(samples) < 2:
+        return samples[0], samples[0], samples[0]
+    q25, q50, q75 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q25, statistics.median(samples), q75
+
+
+def _measure_point(
+    variants, size: tuple[int, int], batch: int, mode: str, repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Interleaved samples (seconds per call) of every variant at one (batch, mode)."""
+    out_features, in_features = size
+    generator = torch.Generator(device=device).manual_seed(batch)
+    x = torch.randn(batch, in_features, device=device, generator=generator)
+    dy = torch.randn(batch, out_features, device=device, generator=generator)
+    x_grad = x.clone().requires_grad_()
+
+    def call(variant) -> Callable[[], object]:
+        if mode == "inference":
+            return lambda: variant.infer(x)
+        return lambda: variant.train_step(x_grad, dy)
+
+    timers = {v.name: Timer(call(v), device) for v in variants}
+    for timer in timers.values():
+        timer.warm_up()
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    names = list(timers)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timers[name].sample())
+    return samples
+
+
+def _time_records(point: dict, samples: dict[str, list[float]], bound: float) -> list[TimeRecord]:
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    records = []
+    for name, s in samples.items():
+        q25, median, q75 = _quartiles(s)
+        record = TimeRecord(
+            **point, variant=name, median_ms=median * 1e3, q25_ms=q25 * 1e3, q75_ms=q75 * 1e3,
+            speedup_vs_dense=medians["dense"] / median, speedup_vs_mask=medians["dense+mask"] / median,
+            samples_ms=[t * 1e3 for t in s],
+        )
+        if name == "snack":
+            record.bound_ms = bound * 1e3
+            record.distance = median / bound
+        records.append(record)
+    return records
+
+
+def _memory_records(size: tuple[int, int], sparsity: float, variants) -> list[MemoryRecord]:
+    memories = {v.name: v.state_bytes() for v in variants}
+    dense_total = memories["dense"].total
+    return [
+        MemoryRecord(
+            out_features=size[0], in_features=size[1], sparsity=sparsity, variant=name,
+            **{k: v for k, v in asdict(m).items()}, total=m.total, reduction_vs_dense=1 - m.total / dense_total,
+        )
+        for name, m in memories.items()
+    ]
+
+
+def run_grid(
+    grid: Grid, machine: Machine, device: torch.device, progress: Callable[[str], None] | None = None
+) -> tuple[list[TimeRecord], list[MemoryRecord]]:
+    """Measure every point of ``grid``; ``progress(description)`` is called after each point."""
+    times: list[TimeRecord] = []
+    memory: list[MemoryRecord] = []
+    with warnings.catch_warnings():
+        # torch.sparse CSR announces its beta status on first use; not news to a benchmark reader
+        warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+        for size in grid.sizes:
+            for sparsity in grid.sparsities:
+                variants = build_variants(*size, sparsity, device)
+                nnz = variants[-1].layer.nnz
+                for batch in grid.batches:
+                    for mode in grid.modes:
+                        samples = _measure_point(variants, size, batch, mode, grid.repeats, device)
+                        bound, _, _ = sparse_bound(machine, *size, nnz, batch, mode == "training")
+                        point = dict(out_features=size[0], in_features=size[1], sparsity=sparsity, batch=batch, mode=mode)
+                        times.extend(_time_records(point, samples, bound))
+                        if progress is not None:
+                            progress(f"{size[0]}x{size[1]} s={sparsity} B={batch} {mode}")
+                # gradients exist now (training steps ran), as they do during training
+                memory.extend(_memory_records(size, sparsity, variants))
+                del variants
+    return times, memory
+
+
+def select(records: Iterable[TimeRecord], **fields) -> list[TimeRecord]:
+    """The records whose attributes equal ``fields``."""
+    return [r for r in records if all(getattr(r, k) == v for k, v in fields.items())]

@@ -1,0 +1,120 @@
+"""Benchmark output: the terminal table, JSON and CSV files, and the speedup plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import textwrap
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from snack.bench.harness import MemoryRecord, TimeRecord, select
+
+__all__ = ["format_memory", "format_table", "write_csv", "write_json", "write_plot"]
+
+SPARSE_VARIANTS = ("dense+mask", "torch.sparse", "snack")
+
+
+def _size_label(out_features: int, in_features: int) -> str:
+    return f"{out_features}x{in_features}"
+
+
+def format_table(times: list[TimeRecord]) -> str:
+    """Markdown table: per point, dense time, each variant's speedup over dense, snack's
+    speedup over dense+mask, its roofline bound and distance. Each median is followed by its
+    interquartile range relative to the median."""
+    header = (
+        "| size | mode | sparsity | batch | dense ms | dense+mask × | torch.sparse × | snack × | snack vs mask × "
+        "| snack ms (IQR) | bound ms | distance |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    snack_rows = select(times, variant="snack")
+    for row in snack_rows:
+        point = dict(out_features=row.out_features, in_features=row.in_features, sparsity=row.sparsity,
+                     batch=row.batch, mode=row.mode)
+        by_variant = {r.variant: r for r in select(times, **point)}
+        dense = by_variant["dense"]
+        spread = (row.q75_ms - row.q25_ms) / row.median_ms
+        lines.append(
+            f"| {_size_label(row.out_features, row.in_features)} | {row.mode} | {row.sparsity:g} | {row.batch} "
+            f"| {dense.median_ms:.3f} | {by_variant['dense+mask'].speedup_vs_dense:.2f} "
+            f"| {by_variant['torch.sparse'].speedup_vs_dense:.2f} | **{row.speedup_vs_dense:.1f}** "
+            f"| {row.speedup_vs_mask:.1f} | {row.median_ms:.3f} (±{100 * spread / 2:.0f}%) "
+            f"| {row.bound_ms:.3f} | {row.distance:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_memory(memory: list[MemoryRecord]) -> str:
+    """Markdown table of training memory (MiB) per layer and variant."""
+    lines = [
+        "| size | sparsity | variant | params | grads | Adam | structure | total MiB | vs dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = 2**20
+    for m in memory:
+        lines.append(
+            f"| {_size_label(m.out_features, m.in_features)} | {m.sparsity:g} | {m.variant} | {m.params / mib:.2f} "
+            f"| {m.grads / mib:.2f} | {m.adam / mib:.2f} | {m.structure / mib:.2f} | {m.total / mib:.2f} "
+            f"| {-100 * m.reduction_vs_dense:+.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, metadata: dict, times: list[TimeRecord], memory: list[MemoryRecord]) -> None:
+    document = {**metadata, "times": [asdict(t) for t in times], "memory": [asdict(m) for m in memory]}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def write_csv(path: Path, times: list[TimeRecord]) -> None:
+    """One row per (point, variant); the raw samples stay in the JSON."""
+    columns = [f.name for f in fields(TimeRecord) if f.name != "samples_ms"]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for t in times:
+            writer.writerow({c: getattr(t, c) for c in columns})
+
+
+def write_plot(path: Path, times: list[TimeRecord], title: str) -> None:
+    """Speedup over dense vs sparsity: one panel per (size, mode), one line per batch size for
+    snack (solid) and torch.sparse (dashed, same colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({(t.out_features, t.in_features) for t in times}, reverse=True)
+    modes = sorted({t.mode for t in times})
+    batches = sorted({t.batch for t in times})
+    figure, axes = plt.subplots(
+        len(modes), len(sizes), figsize=(5 * len(sizes), 3.8 * len(modes)), squeeze=False, sharex=True
+    )
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, mode in enumerate(modes):
+        for j, (out_features, in_features) in enumerate(sizes):
+            ax = axes[i][j]
+            for b, batch in enumerate(batches):
+                colour = colours[b % len(colours)]
+                for variant, style in (("snack", "-o"), ("torch.sparse", "--x")):
+                    rows = sorted(
+                        select(times, out_features=out_features, in_features=in_features, mode=mode, batch=batch,
+                               variant=variant),
+                        key=lambda r: r.sparsity,
+                    )
+                    if rows:
+                        ax.plot(
+                            [r.sparsity for r in rows], [r.speedup_vs_dense for r in rows], style, color=colour,
+                            label=f"{variant} B={batch}",
+                        )
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_yscale("log")
+            ax.set_title(f"{_size_label(out_features, in_features)} {mode}")
+            ax.set_xlabel("sparsity")
+            ax.set_ylabel("speedup over dense nn.Linear")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    figure.suptitle(textwrap.fill(title, width=55 * len(sizes)), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

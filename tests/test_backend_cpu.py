@@ -1,0 +1,262 @@
+"""The native CPU backend against the reference backend (the oracle).
+
+Every kernel is compared over random shapes, sparsities, batches (single row, several batch
+tiles), dtypes and thread counts, plus the edge cases: no non-zeros, empty rows and columns,
+non-contiguous and 3-D inputs through ``SparseLinear``, and a 100,000 × 100,000 layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import snack
+from snack import backends
+from snack.backends import cpu, reference  # importing cpu builds the kernels; a failed build fails here
+from snack.topology import Topology, random_coo
+
+OPS = ("spmm", "spmm_t", "sddmm", "spmm_backward")
+# (rtol, atol) per dtype; half and bfloat16 round each output to an 11- and 8-bit mantissa
+TOLERANCE = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 1e-2),
+    torch.bfloat16: (2e-2, 5e-2),
+}
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def operands(op: str, topo: Topology, batch: int, dtype: torch.dtype, generator: torch.Generator):
+    """The two dense/value inputs of ``op``: ``(x, values)``, ``(dy, values)`` or ``(dy, x)``."""
+    out_features, in_features = topo.shape
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    values = randn(topo.nnz)
+    x, dy = randn(batch, in_features), randn(batch, out_features)
+    return {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x), "spmm_backward": (dy, x, values)}[op]
+
+
+def reference_op(op: str, *args):
+    """The reference result(s) of ``op`` as a tuple; the fused backward is spmm_t and sddmm."""
+    if op == "spmm_backward":
+        dy, x, values, topo = args
+        return reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo)
+    return (getattr(reference, op)(*args),)
+
+
+def assert_matches_reference(op: str, topo: Topology, batch: int, dtype: torch.dtype, seed: int = 0) -> None:
+    inputs = operands(op, topo, batch, dtype, torch.Generator().manual_seed(seed))
+    tensors = topo.tensors()
+    got = getattr(cpu, op)(*inputs, tensors)
+    got = got if isinstance(got, tuple) else (got,)
+    # the oracle runs in float64 from the same (rounded) inputs
+    expected = reference_op(op, *(t.double() for t in inputs), tensors)
+    rtol, atol = TOLERANCE[dtype]
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype
+        assert g.shape == e.shape
+        torch.testing.assert_close(g.double(), e, rtol=rtol, atol=atol)
+
+
+def random_topology(out_features: int, in_features: int, sparsity: float, seed: int = 0) -> Topology:
+    row, col = random_coo(out_features, in_features, sparsity, generator=torch.Generator().manual_seed(seed))
+    return Topology(row, col, (out_features, in_features))
+
+
+def test_native_backend_is_the_cpu_default():
+    # a broken build would make the registry warn and fall back to the reference: fail instead
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert backends.default_backend_name("cpu") == "cpu"
+    assert backends.resolve(torch.device("cpu")) is cpu
+
+
+def test_ops_dispatch_to_native_kernels(monkeypatch):
+    calls = []
+    for name in OPS:
+        original = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
+    layer = snack.SparseLinear(16, 8, sparsity=0.5)
+    x = torch.randn(3, 16, requires_grad=True)
+    layer(x).sum().backward()
+    # a training step: forward, then the fused backward (dX and dvalues in one pass)
+    assert calls == ["spmm", "spmm_backward"]
+    calls.clear()
+    layer(torch.randn(3, 16)).sum().backward()  # only dvalues wanted
+    assert calls == ["spmm", "sddmm"]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("batch", [1, 3, 8, 70, 130])
+def test_kernels_match_reference(op, dtype, batch, threads):
+    # 300 × 200 at 50%: enough work that two threads really split it; 130 spans several tiles
+    assert_matches_reference(op, random_topology(300, 200, 0.5), batch, dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "shape, sparsity",
+    [((1, 1), 0.0), ((1, 97), 0.3), ((97, 1), 0.3), ((5, 3), 0.0), ((33, 65), 0.99), ((257, 129), 0.9)],
+)
+def test_odd_shapes(op, shape, sparsity, threads):
+    for batch in (1, 5, 17):
+        assert_matches_reference(op, random_topology(*shape, sparsity), batch, torch.float64)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_no_nonzeros(op, threads):
+    empty = torch.empty(0, dtype=torch.int32)
+    topo = Topology(empty, empty, (6, 4))
+    for batch in (1, 9):
+        inputs = operands(op, topo, batch, torch.float32, torch.Generator().manual_seed(0))
+        got = getattr(cpu, op)(*inputs, topo.tensors())
+        got = got if isinstance(got, tuple) else (got,)
+        expected_shapes = {"spmm": [(batch, 6)], "spmm_t": [(batch, 4)], "sddmm": [(0,)],
+                           "spmm_backward": [(batch, 4), (0,)]}[op]
+        assert [tuple(g.shape) for g in got] == expected_shapes
+        assert not any(g.any() for g in got)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_rows_and_columns(op, threads):
+    # rows 0, 2, 5 and columns 1, 3, 4 hold nothing; row 4 is dense over the used columns
+    row = torch.tensor([1, 1, 3, 4, 4, 4, 6], dtype=torch.int32)
+    col = torch.tensor([0, 5, 2, 0, 2, 5, 6], dtype=torch.int32)
+    topo = Topology(row, col, (7, 8))
+    for batch in (1, 4, 12):
+        assert_matches_reference(op, topo, batch, torch.float64)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_batch(op):
+    topo = random_topology(5, 7, 0.5)
+    inputs = operands(op, topo, 0, torch.float32, torch.Generator().manual_seed(0))
+    got = getattr(cpu, op)(*inputs, topo.tensors())
+    got = got if isinstance(got, tuple) else (got,)
+    for g, e in zip(got, reference_op(op, *inputs, topo.tensors()), strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 70),
+    sparsity=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    batch=st.integers(1, 80),
+    op=st.sampled_from(OPS),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(out_features, in_features, sparsity, batch, op, seed, threads):
+    topo = random_topology(out_features, in_features, sparsity, seed)
+    assert_matches_reference(op, topo, batch, torch.float64, seed)
+
+
+def layer_pair(in_features, out_features, sparsity, dtype):
+    """A SparseLinear and an identical copy, for running the same layer on two backends."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(in_features, out_features, sparsity=sparsity, dtype=dtype)
+    twin = snack.SparseLinear.from_coo(layer.row, layer.col, layer.values.detach(), (out_features, in_features),
+                                       bias=layer.bias.detach())
+    return layer, twin
+
+
+def run_layer(layer, x):
+    """Forward and backward of ``layer`` on ``x``; returns ``(y, dx, dvalues, dbias)``."""
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    y.backward(torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape))
+    return y.detach(), x.grad, layer.values.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize(
+    "make_input",
+    [
+        pytest.param(lambda: torch.randn(5, 40, dtype=torch.float64)[:, ::2], id="non-contiguous"),
+        pytest.param(lambda: torch.randn(20, 6, dtype=torch.float64).t(), id="transposed"),
+        pytest.param(lambda: torch.randn(2, 3, 20, dtype=torch.float64), id="3-D"),
+        pytest.param(lambda: torch.randn(20, dtype=torch.float64), id="1-D"),
+    ],
+)
+def test_sparse_linear_inputs_match_reference(make_input, threads):
+    native, oracle = layer_pair(20, 30, 0.7, torch.float64)
+    x = make_input()
+    got = run_layer(native, x)
+    with snack.use_backend("reference"):
+        expected = run_layer(oracle, x)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_gradcheck_through_sparse_linear(threads):
+    layer = snack.SparseLinear(9, 7, sparsity=0.6, dtype=torch.float64)
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    values = layer.values.detach().clone().requires_grad_()
+    topology = layer.topology
+
+    def f(x, values):
+        return snack.ops.sparse_linear(x, values, topology, layer.bias)
+
+    assert torch.autograd.gradcheck(f, (x, values))
+    assert torch.autograd.gradgradcheck(f, (x, values))
+
+
+def test_float32_training_step_matches_reference(threads):
+    native, oracle = layer_pair(256, 128, 0.9, torch.float32)
+    x = torch.randn(32, 256)
+    got = run_layer(native, x)
+    with snack.use_backend("reference"):
+        expected = run_layer(oracle, x)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_large_layer():
+    # 100,000 × 100,000 at 99.99%: a million non-zeros; the dense weight would be 40 GB
+    topo = random_topology(100_000, 100_000, 0.9999)
+    assert topo.nnz == 1_000_000
+    for op in OPS:
+        assert_matches_reference(op, topo, 3, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(3, dtype=torch.float64), t.rowptr, t.col),
+         "dtype"),
+        (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(3), t.rowptr.long(), t.col), "int32"),
+        (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(2), t.rowptr, t.col), "same length"),
+        (lambda t: torch.ops.snack_cpu.spmm_t(torch.randn(2, 5), torch.randn(3), t.rowptr, t.col, 4), "shape"),
+        (lambda t: torch.ops.snack_cpu.sddmm(torch.randn(2, 3), torch.randn(5, 4), t.rowptr, t.col), "batch"),
+        (lambda t: torch.ops.snack_cpu.spmm_backward(torch.randn(2, 3), torch.randn(5, 4), torch.randn(3), t.rowptr,
+                                                     t.col), "x \\(B, in\\)"),
+    ],
+    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "fused-batch"],
+)
+def test_native_ops_reject_bad_input(call, message):
+    topo = Topology(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0, 3], dtype=torch.int32), (3, 4))
+    with pytest.raises(RuntimeError, match=message):
+        call(topo.tensors())
+
+
+def test_failed_build_raises_a_clear_error(tmp_path, monkeypatch):
+    broken = tmp_path / "kernels.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu, "_SOURCE", broken)
+    monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cpu.BuildError, match="building snack's native CPU kernels failed"):
+        cpu.build()

@@ -1,0 +1,104 @@
+"""``snack bench`` on a tiny grid: the outputs exist and are well formed (no timing assertions)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import pytest
+import torch
+
+from snack.bench import Machine, cli
+from snack.bench.roofline import sparse_bound
+from snack.bench.variants import build_variants
+from snack.cli import build_parser
+
+VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
+
+
+@pytest.fixture(scope="module")
+def bench_output(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = build_parser().parse_args(
+        ["bench", "--sizes", "64x96", "--sparsity", "0.9", "--batch", "1", "4", "--repeats", "2", "--out", str(out),
+         "--no-progress"]
+    )
+    assert args._run(args) == 0
+    return out
+
+
+def test_json_is_complete(bench_output):
+    document = json.loads((bench_output / "cpu_layer.json").read_text())
+    for key in ("date", "machine", "command", "backend", "bandwidth_bytes_per_s", "peak_flops_per_s", "grid", "times",
+                "memory"):
+        assert key in document
+    assert document["backend"] == "cpu"
+    assert document["bandwidth_bytes_per_s"] > 0 and document["peak_flops_per_s"] > 0
+    times = document["times"]
+    # 1 size × 1 sparsity × 2 batches × 2 modes, 4 variants each
+    assert len(times) == 2 * 2 * 4
+    assert {t["variant"] for t in times} == VARIANT_NAMES
+    for t in times:
+        assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
+        assert len(t["samples_ms"]) == 2
+        assert t["speedup_vs_dense"] > 0
+        if t["variant"] == "snack":
+            assert t["bound_ms"] > 0 and t["distance"] > 0
+    assert {m["variant"] for m in document["memory"]} == VARIANT_NAMES
+
+
+def test_csv_has_a_row_per_point_and_variant(bench_output):
+    with (bench_output / "cpu_layer.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 16
+    assert {(r["batch"], r["mode"]) for r in rows} == {("1", "inference"), ("1", "training"), ("4", "inference"),
+                                                       ("4", "training")}
+    assert all(float(r["median_ms"]) > 0 for r in rows)
+
+
+def test_plot_is_a_png(bench_output):
+    assert (bench_output / "cpu_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_counts_parameters_gradients_adam_and_indices():
+    variants = {v.name: v for v in build_variants(40, 50, 0.9, torch.device("cpu"))}
+    dense = variants["dense"].state_bytes()
+    weights = (40 * 50 + 40) * 4
+    assert (dense.params, dense.grads, dense.adam, dense.structure) == (weights, weights, 2 * weights, 0)
+    snack = variants["snack"].state_bytes()
+    nnz = variants["snack"].layer.nnz
+    assert snack.params == (nnz + 40) * 4
+    # row, col, csc_perm (nnz each) and the two pointers, all int32
+    assert snack.structure == (3 * nnz + 41 + 51) * 4
+    assert variants["dense+mask"].state_bytes().structure == 40 * 50 * 4
+
+
+def test_variants_compute_the_same_layer():
+    variants = build_variants(30, 20, 0.8, torch.device("cpu"))
+    x = torch.randn(5, 20)
+    expected = variants[0].infer(x)
+    for variant in variants[1:]:
+        torch.testing.assert_close(variant.infer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_roofline_bound():
+    machine = Machine(bandwidth=1e9, peak_flops=1e9)
+    weight = 50 * 8 + 11 * 4  # values + int32 columns, row pointer
+    activations = 2 * (20 + 10) * 4
+    bound, flops, moved = sparse_bound(machine, 10, 20, nnz=50, batch=2, training=False)
+    assert (flops, moved) == (2 * 2 * 50, weight + activations)
+    assert bound == max(moved, flops) / 1e9
+    _, train_flops, train_moved = sparse_bound(machine, 10, 20, nnz=50, batch=2, training=True)
+    assert (train_flops, train_moved) == (3 * flops, 2 * weight + 50 * 4 + 2 * activations)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--sizes", "4096"], ["--sizes", "0x5"], ["--sparsity", "1.0"], ["--batch", "0"], ["--device", "tpu"]],
+)
+def test_bad_arguments_are_rejected(argv):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
