@@ -107,11 +107,7 @@ class SparseLinear(nn.Module):
             raise TypeError(f"linear_or_weight must be an nn.Linear or a Tensor, got {type(linear_or_weight).__name__}")
         row, col, values = coo_from_dense(weight, sparsity)
         out_features, in_features = weight.shape
-        if bias is not None:
-            if not isinstance(bias, Tensor) or bias.shape != (out_features,):
-                got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
-                raise ValueError(f"bias must have shape ({out_features},), got {got}")
-            bias = bias.detach().clone().to(weight.dtype)
+        bias = _copied_bias(bias, out_features, weight.dtype)
         return cls._from_parts(in_features, out_features, row, col, values, bias)
 
     @classmethod
@@ -136,11 +132,7 @@ class SparseLinear(nn.Module):
         validate_coo(row, col, (out_features, in_features), require_sorted=False)
         _check_values(values, row)
         row, col, values = sort_coo(row, col, in_features, values.detach().clone())
-        if bias is not None:
-            if not isinstance(bias, Tensor) or bias.shape != (out_features,):
-                got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
-                raise ValueError(f"bias must have shape ({out_features},), got {got}")
-            bias = bias.detach().clone().to(values.dtype)
+        bias = _copied_bias(bias, out_features, values.dtype)
         return cls._from_parts(in_features, out_features, row, col, values, bias)
 
     def reset_parameters(self) -> None:
@@ -299,6 +291,16 @@ def _replace_data(param: nn.Parameter, data: Tensor) -> None:
     param.grad = None
 
 
+def _copied_bias(bias: Tensor | None, out_features: int, dtype: torch.dtype) -> Tensor | None:
+    """A detached copy of ``bias`` in ``dtype``, checked to be ``(out_features,)``."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor) or bias.shape != (out_features,):
+        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"bias must have shape ({out_features},), got {got}")
+    return bias.detach().clone().to(dtype)
+
+
 def _check_values(values: Tensor, row: Tensor) -> None:
     if not isinstance(values, Tensor):
         raise TypeError(f"values must be a Tensor, got {type(values).__name__}")
@@ -344,9 +346,14 @@ def _patterns(value, name: str) -> list[str] | None:
     return patterns
 
 
-def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+def _install(root: nn.Module, converted: dict[str, nn.Module]) -> nn.Module:
+    """Put each ``converted[name]`` in place of ``root``'s submodule ``name``; return the new root."""
+    if "" in converted:
+        return converted[""]
+    for name, new in converted.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+    return root
 
 
 def sparsify(
@@ -393,11 +400,7 @@ def sparsify(
             )
         layer.train(module.training)
         converted[name] = layer
-    if "" in converted:
-        return converted[""]
-    for name, layer in converted.items():
-        _replace(module, name, layer)
-    return module
+    return _install(module, converted)
 
 
 def densify(module: nn.Module) -> nn.Module:
@@ -418,8 +421,4 @@ def densify(module: nn.Module) -> nn.Module:
                     dense.bias.copy_(child.bias)
             dense.train(child.training)
             converted[name] = dense
-    if "" in converted:
-        return converted[""]
-    for name, layer in converted.items():
-        _replace(module, name, layer)
-    return module
+    return _install(module, converted)
