@@ -128,3 +128,16 @@ def test_failing_backend_is_reported_not_silent():
                 pass
     finally:
         backends.unregister_backend("broken")
+
+
+def test_registering_a_default_backend_takes_effect_at_once():
+    device = torch.device("cpu")
+    before = backends.resolve(device)
+    reference = backends.get_backend("reference")
+    backends.register_backend("preferred", lambda: reference, default_for=("cpu",))
+    try:
+        assert backends.default_backend_name(device) == "preferred"
+        assert backends.resolve(device) is reference
+    finally:
+        backends.unregister_backend("preferred")
+    assert backends.resolve(device) is before

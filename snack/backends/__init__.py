@@ -60,6 +60,8 @@ _FAILED: dict[str, str] = {}
 # Device type -> backend names, most preferred first. "reference" is the last resort everywhere.
 _DEFAULTS: dict[str, list[str]] = {}
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("snack_backend", default=None)
+# device -> its default backend, filled on first use: resolving runs on every op call.
+_RESOLVED: dict[torch.device, Backend] = {}
 
 
 def register_backend(name: str, loader: Callable[[], Backend] | str, *, default_for: tuple[str, ...] = ()) -> None:
@@ -74,6 +76,7 @@ def register_backend(name: str, loader: Callable[[], Backend] | str, *, default_
         module_path = loader
         loader = lambda: importlib.import_module(module_path)  # noqa: E731
     _LOADERS[name] = loader
+    _RESOLVED.clear()
     _LOADED.pop(name, None)
     _FAILED.pop(name, None)
     for device_type in default_for:
@@ -88,6 +91,7 @@ def unregister_backend(name: str) -> None:
     if name == "reference":
         raise ValueError("the reference backend cannot be unregistered")
     _LOADERS.pop(name, None)
+    _RESOLVED.clear()
     _LOADED.pop(name, None)
     _FAILED.pop(name, None)
     for order in _DEFAULTS.values():
@@ -157,7 +161,10 @@ def resolve(device: torch.device) -> Backend:
     """The backend an op on ``device`` runs on now."""
     name = _FORCED.get()
     if name is None:
-        name = default_backend_name(device)
+        backend = _RESOLVED.get(device)
+        if backend is None:
+            backend = _RESOLVED[device] = get_backend(default_backend_name(device))
+        return backend
     backend = get_backend(name)
     if not backend.supports(device):
         raise BackendUnavailableError(f"snack backend {name!r} does not support device {device}")

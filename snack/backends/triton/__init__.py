@@ -8,6 +8,7 @@ Triton, and so that :func:`supports` can answer ``False`` where Triton is not in
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -21,9 +22,12 @@ _OPS = ("sddmm", "spmm", "spmm_t")
 def supports(device: torch.device) -> bool:
     """CUDA devices, and CPU tensors when ``TRITON_INTERPRET=1`` was set before the kernels were
     imported; never when Triton is not installed."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return _backend().supports(device)
+    return _triton_installed() and _backend().supports(device)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _backend():
