@@ -42,11 +42,11 @@ def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors) -> 
     if dense_a.dim() != 2 or dense_a.shape[1] != expected_width:
         raise ValueError(f"snack.{op}: {a_name} must have shape (B, {expected_width}), got {tuple(dense_a.shape)}")
     if op == "sddmm":
-        if dense_b.dim() != 2 or dense_b.shape != (dense_a.shape[0], in_features):
+        if tuple(dense_b.shape) != (dense_a.shape[0], in_features):  # tuples: torch.Size == is slow
             raise ValueError(
                 f"snack.sddmm: x must have shape ({dense_a.shape[0]}, {in_features}), got {tuple(dense_b.shape)}"
             )
-    elif dense_b.shape != (nnz,):
+    elif tuple(dense_b.shape) != (nnz,):
         raise ValueError(f"snack.{op}: values must have shape ({nnz},), got {tuple(dense_b.shape)}")
     if dense_a.dtype != dense_b.dtype:
         raise TypeError(f"snack.{op}: {a_name} and {b_name} must share a dtype, got {dense_a.dtype} and {dense_b.dtype}")
@@ -94,10 +94,11 @@ def _sddmm_op(dy: Tensor, x: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, c
     return _sddmm_kernel(dy, x, row, col, rowptr, colptr, csc_perm)
 
 
-@torch.library.custom_op("snack::spmm_backward", mutates_args=())
-def _spmm_backward_op(
+def _spmm_backward_kernel(
     dy: Tensor, x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
 ) -> tuple[Tensor, Tensor]:
+    """``(spmm_t(dy, values), sddmm(dy, x))``: the backend's fused ``spmm_backward`` (one pass
+    over the weight) when it has one, else its two kernels."""
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
     _check("spmm_t", dy, values, topo)
     _check("sddmm", dy, x, topo)
@@ -107,6 +108,13 @@ def _spmm_backward_op(
     if fused is not None:
         return fused(dy, x, values, topo)
     return backend.spmm_t(dy, values, topo), backend.sddmm(dy, x, topo)
+
+
+@torch.library.custom_op("snack::spmm_backward", mutates_args=())
+def _spmm_backward_op(
+    dy: Tensor, x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
+) -> tuple[Tensor, Tensor]:
+    return _spmm_backward_kernel(dy, x, values, row, col, rowptr, colptr, csc_perm)
 
 
 for _op, _kernel in ((_spmm_op, _spmm_kernel), (_spmm_t_op, _spmm_t_kernel), (_sddmm_op, _sddmm_kernel)):
@@ -157,14 +165,39 @@ def _setup(ctx, inputs, output):
     ctx.a_cols = a.shape[1]
 
 
+def _spmm_grads(
+    grad: Tensor,
+    x: Tensor | None,
+    values: Tensor | None,
+    topo: TopologyTensors,
+    need_x: bool,
+    need_values: bool,
+    *,
+    direct: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(dx, dvalues)`` of ``y = spmm(x, values)`` for the incoming ``grad (B, out)``; ``None``
+    where not needed.
+
+    With grad mode on (``create_graph=True``) the differentiable custom ops compute them, so
+    gradients of any order work. Otherwise both gradients, when both are needed, come from one
+    pass over the weight (``spmm_backward``). ``direct=True`` (eager only: the device kernels
+    have no fake implementation for tracing) calls the device kernels without the custom ops'
+    Python wrappers.
+    """
+    if torch.is_grad_enabled():
+        direct = False
+    elif need_x and need_values:
+        fused = _spmm_backward_kernel if direct else torch.ops.snack.spmm_backward
+        return fused(grad, x, values, *topo)
+    spmm_t_fn, sddmm_fn = (_spmm_t_kernel, _sddmm_kernel) if direct else (torch.ops.snack.spmm_t, torch.ops.snack.sddmm)
+    dx = spmm_t_fn(grad, values, *topo) if need_x else None
+    dvalues = sddmm_fn(grad, x, *topo) if need_values else None
+    return dx, dvalues
+
+
 def _spmm_backward(ctx, grad):
     x, values, *topo = ctx.saved_tensors
-    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not torch.is_grad_enabled():
-        # a training step's backward (no graph of the gradients wanted): both in one pass
-        dx, dvalues = torch.ops.snack.spmm_backward(grad, x, values, *topo)
-        return (dx, dvalues, *_NO_TOPOLOGY_GRADS)
-    dx = torch.ops.snack.spmm_t(grad, values, *topo) if ctx.needs_input_grad[0] else None
-    dvalues = torch.ops.snack.sddmm(grad, x, *topo) if ctx.needs_input_grad[1] else None
+    dx, dvalues = _spmm_grads(grad, x, values, TopologyTensors(*topo), *ctx.needs_input_grad[:2], direct=False)
     return (dx, dvalues, *_NO_TOPOLOGY_GRADS)
 
 
@@ -205,10 +238,53 @@ def sddmm(dy: Tensor, x: Tensor, topology: Topology) -> Tensor:
     return torch.ops.snack.sddmm(dy, x, *topology.tensors())
 
 
+class _SparseLinearFunction(torch.autograd.Function):
+    """Eager ``y = x·Wᵀ + b`` for ``x (B, in)`` → ``(B, out)``, calling the device kernels directly.
+
+    The custom ops' Python wrappers (``torch.library``) cost about 30 µs per call, 80 µs with
+    autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
+    step at 99% sparsity. This one autograd node runs the same checks and the same backend
+    kernels (and adds the bias in place) for a fraction of that. Tracing (``torch.compile``)
+    uses the custom ops, which have fake implementations.
+    """
+
+    # the old-style forward(ctx, ...): with a separate setup_context, apply() binds the arguments
+    # through inspect.signature on every call (~40 µs)
+    @staticmethod
+    def forward(ctx, x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
+        need_x, need_values = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if need_values else None, values if need_x else None)
+        ctx.topo = topo
+        y = _spmm_kernel(x, values, *topo)
+        return y if bias is None else y.add_(bias)  # y is the kernel's fresh output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, values = ctx.saved_tensors
+        need_x, need_values, need_bias = ctx.needs_input_grad[:3]
+        dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
+        return dx, dvalues, grad.sum(0) if need_bias else None, None
+
+
 def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None = None) -> Tensor:
-    """Functional form of :class:`snack.SparseLinear`: ``x (*, in)`` → ``(*, out)``, ``y = x·Wᵀ + b``."""
+    """Functional form of :class:`snack.SparseLinear`: ``x (*, in)`` → ``(*, out)``, ``y = x·Wᵀ + b``.
+
+    ``bias``: ``(out,)`` with ``values``' dtype, or ``None``. Differentiable in ``x``, ``values``
+    and ``bias`` (to any order).
+    """
     out_features, in_features = topology.shape
-    y = torch.ops.snack.spmm(x.reshape(-1, in_features), values, *topology.tensors())
-    if bias is not None:
-        y = y + bias
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"snack.sparse_linear: x must have shape (*, {in_features}), got {tuple(x.shape)}")
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != values.dtype):
+        raise ValueError(
+            f"snack.sparse_linear: bias must have shape ({out_features},) and dtype {values.dtype}, "
+            f"got {tuple(bias.shape)} and {bias.dtype}"
+        )
+    x2d = x.reshape(-1, in_features)
+    if torch.compiler.is_compiling():
+        y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
+        if bias is not None:
+            y = y + bias
+    else:
+        y = _SparseLinearFunction.apply(x2d, values, bias, topology.tensors())
     return y.reshape(*x.shape[:-1], out_features)

@@ -29,7 +29,9 @@
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <sys/mman.h>
 #include <unistd.h>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -46,13 +48,15 @@ using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, fl
 
 // Below this many multiply-adds a call runs on one thread: waking the pool costs more.
 constexpr int64_t kSerialWork = 1 << 15;
-// Below this many elements a pack runs on one thread: it is a fast copy.
-constexpr int64_t kSerialPack = 1 << 20;
+// Below this many elements a pack (or another copy-like pass) runs on one thread: waking the pool
+// costs more.
+constexpr int64_t kSerialPack = 1 << 16;
 // Outputs are (B, n) with the batch outer, so one row's W results go to W addresses n apart: when
 // n · 4 bytes is a multiple of 4 KiB they all fall in one L1 set and evict each other. Results of
 // kRowBlock consecutive rows are therefore kept together and written as W runs of kRowBlock
 // contiguous values (a 64-byte line for float).
 constexpr int64_t kRowBlock = 16;
+static_assert(kRowBlock == 16, "gather_rows writes its row blocks with unpack_block, whose full blocks are 16 rows");
 
 // Largest batch tile; a tile of W accumulators times the unroll factor fills the vector registers.
 constexpr int kMaxTile = 64;
@@ -156,58 +160,151 @@ class Scratch {
       owned_.push_back(at::empty({bytes}, at::TensorOptions().dtype(at::kByte)));
       return reinterpret_cast<T*>(owned_.back().mutable_data_ptr());
     }
-    auto& buffer = pool()[slot];
-    if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(bytes);
-    return reinterpret_cast<T*>(buffer.data());
+    return reinterpret_cast<T*>(pool()[slot].reserve(bytes, slot));
   }
 
  private:
   static constexpr int64_t kScratchCap = int64_t{64} << 20;
-  // operator new aligns to alignof(std::max_align_t), enough for float and double
-  static std::array<std::vector<char>, kSlots>& pool() {
-    thread_local std::array<std::vector<char>, kSlots> buffers;
+  static constexpr int64_t kHugePage = int64_t{2} << 20;
+
+  // A buffer on 2 MiB-aligned memory advised for transparent huge pages: the kernels read the
+  // packed tiles and accumulators at random rows, and with 4 KiB pages those reads miss the L1
+  // TLB. Slot s starts s · 576 bytes (9 cache lines) into its allocation, so rows of different
+  // slots at the same index (the accumulator and packed x in spmm_backward) are not 4 KiB apart,
+  // which would make loads of one wait on stores to the other (4K aliasing).
+  struct Buffer {
+    char* base = nullptr;
+    int64_t capacity = 0;
+    ~Buffer() { std::free(base); }
+    char* reserve(int64_t bytes, int slot) {
+      const int64_t offset = slot * 576;
+      if (bytes + offset > capacity) {
+        std::free(base);
+        capacity = (bytes + offset + kHugePage - 1) / kHugePage * kHugePage;
+        base = static_cast<char*>(std::aligned_alloc(kHugePage, capacity));
+        TORCH_CHECK(base != nullptr, "snack_cpu: out of memory allocating ", capacity, " bytes of scratch space");
+#ifdef MADV_HUGEPAGE
+        madvise(base, capacity, MADV_HUGEPAGE);  // only advice: without huge pages it still works
+#endif
+      }
+      return base + offset;
+    }
+  };
+  static std::array<Buffer, kSlots>& pool() {
+    thread_local std::array<Buffer, kSlots> buffers;
     return buffers;
   }
   std::vector<at::Tensor> owned_;
 };
 
 // Packs a (B, n) row-major matrix into tiles (tiles, n, W) of acc_t, zero-padding the batch.
-template <typename scalar_t, typename acc_t>
-const acc_t* pack_tiles(const at::Tensor& a, int W, Scratch& scratch, Scratch::Slot slot) {
+// A transpose: it runs over blocks of kPackCols columns, reading kPackCols contiguous values (one
+// cache line of float) of each batch row and writing them into a small contiguous block of the
+// tile. Walking the source a column at a time instead reads B lines n values apart, which for n a
+// multiple of 1024 all fall into one L1 set and evict each other (measured 0.12 ms for 32 × 4096).
+constexpr int64_t kPackCols = 16;
+
+// One block of a pack: out[i · W + j] = src[j · n + i] for the `width` batch rows j and `count`
+// columns i, zeros for j >= width. Full blocks have compile-time bounds, which lets the compiler
+// keep everything in registers.
+template <int W, typename scalar_t, typename acc_t>
+void pack_block(const scalar_t* __restrict src, int64_t n, int64_t width, int64_t count, acc_t* __restrict out) {
+  if (width == W && count == kPackCols) {
+    for (int j = 0; j < W; ++j)
+#pragma GCC unroll 16
+      for (int i = 0; i < kPackCols; ++i) out[i * W + j] = static_cast<acc_t>(src[j * n + i]);
+    return;
+  }
+  for (int64_t j = 0; j < W; ++j)
+    for (int64_t i = 0; i < count; ++i) out[i * W + j] = j < width ? static_cast<acc_t>(src[j * n + i]) : acc_t(0);
+}
+
+// The inverse of pack_block: out[j · stride + i] = block[i · W + j] for the `width` batch rows j
+// and `count` rows i of a (count, W) block of results.
+template <int W, typename scalar_t, typename acc_t>
+void unpack_block(const acc_t* __restrict block, int64_t count, int64_t width, scalar_t* __restrict out,
+                  int64_t stride) {
+  if (width == W && count == kPackCols) {
+    for (int j = 0; j < W; ++j)
+#pragma GCC unroll 16
+      for (int i = 0; i < kPackCols; ++i) out[j * stride + i] = static_cast<scalar_t>(block[i * W + j]);
+    return;
+  }
+  for (int64_t j = 0; j < width; ++j)
+    for (int64_t i = 0; i < count; ++i) out[j * stride + i] = static_cast<scalar_t>(block[i * W + j]);
+}
+
+template <int W, typename scalar_t, typename acc_t>
+const acc_t* pack_tiles(const at::Tensor& a, Scratch& scratch, Scratch::Slot slot) {
   const int64_t B = a.size(0), n = a.size(1);
   const int64_t tiles = (B + W - 1) / W;
   const scalar_t* src = a.const_data_ptr<scalar_t>();
   acc_t* dst = scratch.get<acc_t>(slot, tiles * n * W);
-  at::parallel_for(0, n, std::max<int64_t>(1, kSerialPack / std::max<int64_t>(1, B)), [&](int64_t i0, int64_t i1) {
+  const int64_t blocks = (n + kPackCols - 1) / kPackCols;
+  const int64_t grain = std::max<int64_t>(1, kSerialPack / std::max<int64_t>(1, B * kPackCols));
+  at::parallel_for(0, blocks, grain, [&](int64_t k0, int64_t k1) {
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t b0 = t * W, width = std::min<int64_t>(W, B - b0);
-      for (int64_t i = i0; i < i1; ++i) {
-        acc_t* out = dst + (t * n + i) * W;
-        for (int64_t j = 0; j < width; ++j) out[j] = static_cast<acc_t>(src[(b0 + j) * n + i]);
-        for (int64_t j = width; j < W; ++j) out[j] = acc_t(0);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t i0 = k * kPackCols;
+        pack_block<W>(src + b0 * n + i0, n, width, std::min(kPackCols, n - i0), dst + (t * n + i0) * W);
       }
     }
   });
   return dst;
 }
 
-// Eight accumulators as one GCC/Clang vector: an AVX2 register for float, two for double. Written
-// with vector types rather than left to the auto-vectoriser, which does not reliably keep 2-D
-// accumulator arrays in registers. Loads may be unaligned (aligned(alignof(T))).
+// Accumulators as GCC/Clang vector types: written with these rather than left to the
+// auto-vectoriser, which does not reliably keep 2-D accumulator arrays in registers. Loads may be
+// unaligned (aligned(alignof(T))).
+template <typename T, int L>
+struct VecOf {
+  typedef T type __attribute__((vector_size(L * sizeof(T)), aligned(alignof(T))));
+};
+template <typename T, int L>
+using vec = typename VecOf<T, L>::type;
 template <typename T>
-struct Vec8 {
-  typedef T type __attribute__((vector_size(8 * sizeof(T)), aligned(alignof(T))));
+using vec8 = vec<T, 8>;
+
+// Lanes of the widest float vector this build targets: one AVX-512 register holds 16, AVX2 8.
+#if defined(__AVX512F__)
+constexpr int kVecLanes = 16;
+#else
+constexpr int kVecLanes = 8;
+#endif
+
+// Lanes per vector for a batch tile of width W: the widest vector that divides W (W is a multiple
+// of 8), so a tile row is a whole number of registers.
+template <int W>
+constexpr int lanes_for() {
+  return W % kVecLanes == 0 ? kVecLanes : 8;
+}
+
+// The vector type holding a W-wide tile row (W / lanes_for<W>() of them), or the scalar for W = 1.
+// A specialisation rather than std::conditional_t, which would drop the typedef's alignment
+// attribute and let the compiler emit aligned loads on unaligned tile rows.
+template <typename T, int W>
+struct TileVec {
+  using type = vec<T, lanes_for<W>()>;
 };
 template <typename T>
-using vec8 = typename Vec8<T>::type;
+struct TileVec<T, 1> {
+  using type = T;
+};
 
-// Sum of the eight lanes: three shuffle+add steps instead of seven scalar extracts and adds.
+// Sum of the lanes of an 8- or 16-lane vector: log2(lanes) shuffle+add steps instead of scalar
+// extracts and adds.
 template <typename V>
 inline auto lane_sum(V v) {
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
-  return v[0];
+  if constexpr (sizeof(V) / sizeof(v[0]) == 16) {
+    return lane_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  } else {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+  }
 }
 
 // spmm for rows [r0, r1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
@@ -249,8 +346,9 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
       out[r] = static_cast<scalar_t>(lane_sum(acc) + tail);
     }
   } else {
-    using V = vec8<acc_t>;
-    constexpr int NV = W / 8;
+    constexpr int L = lanes_for<W>();
+    using V = vec<acc_t, L>;
+    constexpr int NV = W / L;
     // U independent accumulator sets hide the FMA latency (U·NV >= 8 chains in flight).
     constexpr int U = std::max(1, 8 / NV);
     V block[kRowBlock][NV];  // results of rows [block_start, r], written out together
@@ -282,10 +380,8 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
 #pragma GCC unroll 8
       for (int q = 0; q < NV; ++q) block[r - block_start][q] = acc[0][q];
       if (r + 1 - block_start == kRowBlock || r + 1 == r1) {
-        for (int64_t j = 0; j < width; ++j) {
-          scalar_t* line = out + (b0 + j) * n_out + block_start;
-          for (int64_t i = 0; i <= r - block_start; ++i) line[i] = static_cast<scalar_t>(block[i][j / 8][j % 8]);
-        }
+        unpack_block<W>(reinterpret_cast<const acc_t*>(block), r + 1 - block_start, width, out + b0 * n_out + block_start,
+                        n_out);
         block_start = r + 1;
       }
     }
@@ -293,41 +389,50 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
 }
 
 // spmm_t for rows [r0, r1) of one batch tile: scatters values[k] · dyt[r] into buf[col[k]], a
-// (in, W) accumulator private to the calling thread. dyt[r] stays in registers for the whole
-// row; values and col stream sequentially. With kFused, also the sddmm of the same non-zeros,
+// (in, W) accumulator private to the calling thread. dyt[r] stays in registers for the whole row;
+// values and col stream sequentially. With kFused, also the sddmm of the same non-zeros,
 // dval[k] (+)= dyt[r] · xt[col[k]], in the same pass (the fused backward of spmm).
+//
+// Tried and dropped: splitting the columns into blocks whose accumulator slices fit in L1 (rows
+// then run in fragments, and the fragmented col/values/dval streams defeat the prefetcher):
+// 1.6x slower at 90% sparsity, batch 32.
+// Non-zeros ahead that scatter_rows prefetches for (measured: 8 beats 4 and 16).
+constexpr int64_t kScatterPrefetch = 8;
+
 template <int W, bool kFused, typename scalar_t, typename acc_t>
 void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
                   const acc_t* dyt, acc_t* buf, const acc_t* xt, acc_t* dval, bool accumulate) {
-  if constexpr (W == 1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const acc_t d = dyt[r];
-      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
-        buf[col[k]] += static_cast<acc_t>(values[k]) * d;
-        if constexpr (kFused) dval[k] = (accumulate ? dval[k] : acc_t(0)) + d * xt[col[k]];
-      }
-    }
-  } else {
-    using V = vec8<acc_t>;
-    constexpr int NV = W / 8;
-    for (int64_t r = r0; r < r1; ++r) {
-      V d[NV];
+  using V = typename TileVec<acc_t, W>::type;
+  constexpr int NV = W == 1 ? 1 : W / lanes_for<W>();
+  const int64_t last = rowptr[r1];
+  for (int64_t r = r0; r < r1; ++r) {
+    V d[NV];
 #pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) d[q] = reinterpret_cast<const V*>(dyt + r * W)[q];
-      for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
-        const int64_t c = col[k];
-        const acc_t v = static_cast<acc_t>(values[k]);
-        V* o = reinterpret_cast<V*>(buf + c * W);
-#pragma GCC unroll 8
-        for (int q = 0; q < NV; ++q) o[q] += v * d[q];
-        if constexpr (kFused) {
-          const V* g = reinterpret_cast<const V*>(xt + c * W);
-          V prod = d[0] * g[0];
-#pragma GCC unroll 8
-          for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
-          const acc_t s = lane_sum(prod);
-          dval[k] = accumulate ? dval[k] + s : s;
+    for (int q = 0; q < NV; ++q) d[q] = reinterpret_cast<const V*>(dyt + r * W)[q];
+    for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+      if constexpr (W > 1) {
+        // the random accumulator and x rows of a later non-zero, from L2 (~10% faster fused)
+        if (k + kScatterPrefetch < last) {
+          const int64_t ahead = col[k + kScatterPrefetch] * W;
+          for (int64_t line = 0; line < W; line += 64 / sizeof(acc_t)) {
+            __builtin_prefetch(buf + ahead + line, 1);
+            if constexpr (kFused) __builtin_prefetch(xt + ahead + line, 0);
+          }
         }
+      }
+      const int64_t c = col[k];
+      const acc_t v = static_cast<acc_t>(values[k]);
+      V* o = reinterpret_cast<V*>(buf + c * W);
+#pragma GCC unroll 8
+      for (int q = 0; q < NV; ++q) o[q] += v * d[q];
+      if constexpr (kFused) {
+        const V* g = reinterpret_cast<const V*>(xt + c * W);
+        V prod = d[0] * g[0];
+#pragma GCC unroll 8
+        for (int q = 1; q < NV; ++q) prod += d[q] * g[q];
+        acc_t s;
+        if constexpr (W == 1) s = prod; else s = lane_sum(prod);
+        dval[k] = accumulate ? dval[k] + s : s;
       }
     }
   }
@@ -358,13 +463,13 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, n_in, sizeof(acc_t));
     Scratch scratch;
-    const acc_t* packed = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
     scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
+      const acc_t* packed = pack_tiles<kW, scalar_t, acc_t>(x, scratch, Scratch::kPackA);
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const acc_t* tile = packed + (b0 / kW) * n_in * kW;
         const int64_t width = std::min<int64_t>(kW, B - b0);
@@ -399,8 +504,6 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
     // the (in, W) accumulator, and with kFused the (in, W) tile of x, should stay in L2
     const int W = tile_width(B, (kFused ? 2 : 1) * in_features, sizeof(acc_t));
     Scratch scratch;
-    const acc_t* packed = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackA);
-    const acc_t* xt = kFused ? pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackB) : nullptr;
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
@@ -417,6 +520,8 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
     acc_t* buf_p = scratch.get<acc_t>(Scratch::kAccumulator, parts * in_features * W);
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
+      const acc_t* packed = pack_tiles<kW, scalar_t, acc_t>(dy, scratch, Scratch::kPackA);
+      const acc_t* xt = kFused ? pack_tiles<kW, scalar_t, acc_t>(x, scratch, Scratch::kPackB) : nullptr;
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const acc_t* tile = packed + (b0 / kW) * n_out * kW;
         const acc_t* x_tile = kFused ? xt + (b0 / kW) * in_features * kW : nullptr;
@@ -428,20 +533,22 @@ std::tuple<at::Tensor, at::Tensor> scatter_product(const at::Tensor& dy, const a
             scatter_rows<kW, kFused>(bounds[p], bounds[p + 1], rowptr_p, col_p, val_p, tile, buf, x_tile, dval_p, b0 > 0);
           }
         });
-        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order; a memory-bound sum, so
-        // on one thread unless large, like a pack
-        at::parallel_for(0, in_features, std::max<int64_t>(1, kSerialPack / (parts * kW)), [&](int64_t c0, int64_t c1) {
-          // blocks of kRowBlock columns: each batch row j gets one contiguous run (see kRowBlock)
-          for (int64_t cb = c0; cb < c1; cb += kRowBlock) {
-            const int64_t ce = std::min(c1, cb + kRowBlock);
-            for (int64_t j = 0; j < width; ++j) {
-              scalar_t* line = out_p + (b0 + j) * in_features;
-              for (int64_t c = cb; c < ce; ++c) {
-                acc_t sum = buf_p[c * kW + j];
-                for (int64_t p = 1; p < parts; ++p) sum += buf_p[(p * in_features + c) * kW + j];
-                line[c] = static_cast<scalar_t>(sum);
-              }
+        // dx[b0 + j, c] = Σ_p buffers[p, c, j], always in the same order, a block of kPackCols
+        // columns at a time (each batch row j gets one contiguous run, see kRowBlock); a
+        // memory-bound pass, so on one thread unless large, like a pack
+        const int64_t col_blocks = (in_features + kPackCols - 1) / kPackCols;
+        const int64_t grain = std::max<int64_t>(1, kSerialPack / (parts * kW * kPackCols));
+        at::parallel_for(0, col_blocks, grain, [&](int64_t q0, int64_t q1) {
+          alignas(64) acc_t sum[kPackCols * kW];
+          for (int64_t q = q0; q < q1; ++q) {
+            const int64_t c0 = q * kPackCols, count = std::min(kPackCols, in_features - c0);
+            const acc_t* first = buf_p + c0 * kW;
+            std::copy(first, first + count * kW, sum);
+            for (int64_t p = 1; p < parts; ++p) {
+              const acc_t* part = first + p * in_features * kW;
+              for (int64_t i = 0; i < count * kW; ++i) sum[i] += part[i];
             }
+            unpack_block<kW>(sum, count, width, out_p + b0 * in_features + c0, in_features);
           }
         });
       }
@@ -489,8 +596,9 @@ void sddmm_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* co
       }
     }
   } else {
-    using V = vec8<acc_t>;
-    constexpr int NV = W / 8;
+    constexpr int L = lanes_for<W>();
+    using V = vec<acc_t, L>;
+    constexpr int NV = W / L;
     for (int64_t r = r0; r < r1; ++r) {
       V d[NV];
 #pragma GCC unroll 8
@@ -520,8 +628,6 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
     using acc_t = acc_type<scalar_t>;
     const int W = tile_width(B, x.size(1), sizeof(acc_t));
     Scratch scratch;
-    const acc_t* xt = pack_tiles<scalar_t, acc_t>(x, W, scratch, Scratch::kPackA);
-    const acc_t* dyt = pack_tiles<scalar_t, acc_t>(dy, W, scratch, Scratch::kPackB);
     // accumulate across tiles in acc_t; write straight into `out` when it already is acc_t
     acc_t* acc_p = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(out.mutable_data_ptr<scalar_t>())
                                                    : scratch.get<acc_t>(Scratch::kValues, nnz);
@@ -529,6 +635,8 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
     const index_t* col_p = col.const_data_ptr<index_t>();
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
+      const acc_t* xt = pack_tiles<kW, scalar_t, acc_t>(x, scratch, Scratch::kPackA);
+      const acc_t* dyt = pack_tiles<kW, scalar_t, acc_t>(dy, scratch, Scratch::kPackB);
       for (int64_t b0 = 0; b0 < B; b0 += kW) {
         const int64_t t = b0 / kW;
         const acc_t* xt_p = xt + t * x.size(1) * kW;
