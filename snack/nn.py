@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
-from snack.ops import sparse_linear
+from snack.ops import _sparse_linear
 from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
 
 __all__ = ["SparseLinear", "densify", "sparsify"]
@@ -212,7 +212,7 @@ class SparseLinear(nn.Module):
             raise TypeError(f"SparseLinear: input dtype {input.dtype} does not match the layer's {self.values.dtype}")
         if input.device != self.values.device:
             raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
-        return sparse_linear(input, self.values, self.topology, self.bias)
+        return _sparse_linear(input, self.values, self.topology, self.bias)
 
     # ------------------------------------------------------------------ conversion
 

@@ -70,6 +70,12 @@ def _device_kernel(op_name: str):
     return kernel
 
 
+def _linear_kernel(x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
+    """``x·Wᵀ + bias`` on the device's backend, which adds the bias in its spmm kernel, for
+    inputs that :func:`sparse_linear` (or :class:`snack.SparseLinear`) has checked."""
+    return backends.resolve(x.device).spmm(x.contiguous(), values.contiguous(), topo, bias)
+
+
 _spmm_kernel = _device_kernel("spmm")
 _spmm_t_kernel = _device_kernel("spmm_t")
 _sddmm_kernel = _device_kernel("sddmm")
@@ -244,8 +250,8 @@ class _SparseLinearFunction(torch.autograd.Function):
     The custom ops' Python wrappers (``torch.library``) cost about 30 µs per call, 80 µs with
     autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
     step at 99% sparsity. This one autograd node runs the same checks and the same backend
-    kernels (and adds the bias in place) for a fraction of that. Tracing (``torch.compile``)
-    uses the custom ops, which have fake implementations.
+    kernels (with the bias added inside the forward kernel) for a fraction of that. Tracing
+    (``torch.compile``) uses the custom ops, which have fake implementations.
     """
 
     # the old-style forward(ctx, ...): with a separate setup_context, apply() binds the arguments
@@ -255,8 +261,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         need_x, need_values = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_values else None, values if need_x else None)
         ctx.topo = topo
-        y = _spmm_kernel(x, values, *topo)
-        return y if bias is None else y.add_(bias)  # y is the kernel's fresh output
+        return _linear_kernel(x, values, bias, topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -266,25 +271,49 @@ class _SparseLinearFunction(torch.autograd.Function):
         return dx, dvalues, grad.sum(0) if need_bias else None, None
 
 
-def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None = None) -> Tensor:
-    """Functional form of :class:`snack.SparseLinear`: ``x (*, in)`` → ``(*, out)``, ``y = x·Wᵀ + b``.
-
-    ``bias``: ``(out,)`` with ``values``' dtype, or ``None``. Differentiable in ``x``, ``values``
-    and ``bias`` (to any order).
-    """
+def _check_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None) -> None:
     out_features, in_features = topology.shape
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"snack.sparse_linear: x must have shape (*, {in_features}), got {tuple(x.shape)}")
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != values.dtype):
+    if values.dim() != 1 or values.shape[0] != topology.nnz:
+        raise ValueError(f"snack.sparse_linear: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
+    if x.dtype != values.dtype or not x.is_floating_point():
+        raise TypeError(f"snack.sparse_linear: x and values must share a floating dtype, got {x.dtype} and {values.dtype}")
+    if x.device != values.device or x.device != topology.device:
         raise ValueError(
-            f"snack.sparse_linear: bias must have shape ({out_features},) and dtype {values.dtype}, "
-            f"got {tuple(bias.shape)} and {bias.dtype}"
+            f"snack.sparse_linear: x, values and topology must be on one device, "
+            f"got {x.device}, {values.device} and {topology.device}"
         )
-    x2d = x.reshape(-1, in_features)
+    if bias is not None and (
+        bias.dim() != 1 or bias.shape[0] != out_features or bias.dtype != values.dtype or bias.device != x.device
+    ):
+        raise ValueError(
+            f"snack.sparse_linear: bias must have shape ({out_features},), dtype {values.dtype} and device "
+            f"{x.device}, got {tuple(bias.shape)}, {bias.dtype} and {bias.device}"
+        )
+
+
+def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None = None) -> Tensor:
+    """Functional form of :class:`snack.SparseLinear`: ``x (*, in)`` → ``(*, out)``, ``y = x·Wᵀ + b``.
+
+    ``values``: ``(nnz,)``; ``bias``: ``(out,)`` or ``None``, both with ``x``'s floating dtype
+    and device. Differentiable in ``x``, ``values`` and ``bias`` (to any order).
+    """
+    _check_linear(x, values, topology, bias)
+    return _sparse_linear(x, values, topology, bias)
+
+
+def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None) -> Tensor:
+    """:func:`sparse_linear` without its argument checks, for callers that guarantee them
+    (:class:`snack.SparseLinear` checks its input, and its own tensors are consistent)."""
+    out_features, in_features = topology.shape
+    x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
     if torch.compiler.is_compiling():
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
         if bias is not None:
             y = y + bias
-    else:
+    elif torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)):
         y = _SparseLinearFunction.apply(x2d, values, bias, topology.tensors())
-    return y.reshape(*x.shape[:-1], out_features)
+    else:  # inference: no autograd node needed
+        y = _linear_kernel(x2d, values, bias, topology.tensors())
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)

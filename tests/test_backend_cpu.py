@@ -234,6 +234,46 @@ def test_large_layer():
         assert_matches_reference(op, topo, 3, torch.float32)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_spmm_adds_the_bias_in_the_kernel(batch, dtype, threads):
+    topo = random_topology(37, 50, 0.7)
+    generator = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, 50, generator=generator, dtype=torch.float64).to(dtype)
+    values = torch.randn(topo.nnz, generator=generator, dtype=torch.float64).to(dtype)
+    bias = torch.randn(37, generator=generator, dtype=torch.float64).to(dtype)
+    got = cpu.spmm(x, values, topo.tensors(), bias)
+    expected = reference.spmm(x.double(), values.double(), topo.tensors(), bias.double())
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
+
+
+def test_batch_one_reads_16_bit_columns_up_to_65536():
+    # columns >= 32768 are stored as negative int16 bit patterns and must read back unsigned
+    topo = random_topology(5, 65_536, 0.99)
+    assert int(topo.col.max()) >= 1 << 15
+    narrow = cpu.narrow_columns(topo.col)
+    assert narrow.dtype == torch.int16 and narrow.numel() == topo.nnz
+    assert torch.equal(narrow.long() % (1 << 16), topo.col.long())
+    x, values = torch.randn(1, 65_536, dtype=torch.float64), torch.randn(topo.nnz, dtype=torch.float64)
+    torch.testing.assert_close(cpu.spmm(x, values, topo.tensors()), reference.spmm(x, values, topo.tensors()))
+    # wider layers take the 32-bit kernel
+    wide = random_topology(3, 70_000, 0.999)
+    x = torch.randn(1, 70_000, dtype=torch.float64)
+    values = torch.randn(wide.nnz, dtype=torch.float64)
+    torch.testing.assert_close(cpu.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
+
+
+def test_16_bit_columns_follow_in_place_changes():
+    # load_state_dict copies into the col buffer in place: the cached copy must not go stale
+    topo = random_topology(4, 6, 0.5)
+    before = cpu.narrow_columns(topo.col)
+    assert cpu.narrow_columns(topo.col) is before  # cached
+    topo.col.copy_(topo.col.flip(0))
+    after = cpu.narrow_columns(topo.col)
+    assert torch.equal(after.long(), topo.col.long())
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -245,8 +285,15 @@ def test_large_layer():
         (lambda t: torch.ops.snack_cpu.sddmm(torch.randn(2, 3), torch.randn(5, 4), t.rowptr, t.col), "batch"),
         (lambda t: torch.ops.snack_cpu.spmm_backward(torch.randn(2, 3), torch.randn(5, 4), torch.randn(3), t.rowptr,
                                                      t.col), "x \\(B, in\\)"),
+        (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(3), t.rowptr, t.col, torch.randn(4)),
+         "bias must be a contiguous \\(3,\\)"),
+        (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(1, 4), torch.randn(3), t.rowptr, t.col.short(),
+                                                torch.randn(3, dtype=torch.float64)), "dtype"),
+        (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(2, 4), torch.randn(3), t.rowptr, t.col.short()), "\\(1, in\\)"),
+        (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(1, 4), torch.randn(3), t.rowptr, t.col), "int16"),
     ],
-    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "fused-batch"],
+    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "fused-batch", "bias-shape", "u16-bias-dtype",
+         "u16-batch", "u16-index-dtype"],
 )
 def test_native_ops_reject_bad_input(call, message):
     topo = Topology(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0, 3], dtype=torch.int32), (3, 4))

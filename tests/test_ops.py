@@ -84,6 +84,47 @@ def test_op_rejects_mismatched_inputs():
         snack.ops.spmm(x.float(), values, topo)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_sparse_linear_paths_agree_with_dense_math(backend, batch):
+    # three eager paths: inference (no autograd node), the autograd.Function, and under
+    # create_graph the custom ops; all against x·Wᵀ + b on the masked dense weight
+    topo, values, x, dy = _case(batch=batch)
+    bias = torch.randn(topo.shape[0], dtype=values.dtype)
+    weight = _dense(topo, values)
+    expected = x @ weight.T + bias
+    with snack.use_backend(backend):
+        with torch.no_grad():
+            torch.testing.assert_close(snack.ops.sparse_linear(x, values, topo, bias), expected)
+        leaves = [t.clone().requires_grad_() for t in (x, values, bias)]
+        y = snack.ops.sparse_linear(*leaves[:2], topo, leaves[2])
+        torch.testing.assert_close(y, expected)
+        grads = torch.autograd.grad(y, leaves, dy, create_graph=True)
+    full_grad = dy.T @ x
+    torch.testing.assert_close(grads[0], dy @ weight)
+    torch.testing.assert_close(grads[1], full_grad[topo.row.long(), topo.col.long()])
+    torch.testing.assert_close(grads[2], dy.sum(0))
+    assert grads[0].requires_grad  # create_graph kept a differentiable graph
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda x, v, b: (x[:, :-1], v, b), ValueError, r"x must have shape \(\*, 7\)"),
+        (lambda x, v, b: (x, v[:-1], b), ValueError, r"values must have shape"),
+        (lambda x, v, b: (x.float(), v, b), TypeError, "share a floating dtype"),
+        (lambda x, v, b: (x, v, b[:-1]), ValueError, r"bias must have shape \(9,\)"),
+        (lambda x, v, b: (x, v, b.float()), ValueError, r"bias must have shape \(9,\), dtype torch.float64"),
+    ],
+    ids=["x-width", "values-length", "dtype", "bias-shape", "bias-dtype"],
+)
+def test_sparse_linear_rejects_bad_arguments(change, error, message):
+    topo, values, x, _ = _case()
+    bias = torch.zeros(9, dtype=values.dtype)
+    with pytest.raises(error, match=message):
+        snack.ops.sparse_linear(*change(x, values, bias)[:2], topo, change(x, values, bias)[2])
+
+
 def test_use_backend_forces_and_restores():
     layer = make_layer(8, 6, 0.5)
     calls = []

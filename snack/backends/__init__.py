@@ -3,11 +3,14 @@
 A backend implements the three sparse ops on the flat topology tensors
 (:class:`snack.topology.TopologyTensors`); shapes are those of :mod:`snack.ops`:
 
-* ``spmm(x, values, topo)``   ``x (B, in)``  → ``(B, out)``, ``Y = X·Wᵀ``
+* ``spmm(x, values, topo, bias=None)`` ``x (B, in)`` → ``(B, out)``, ``Y = X·Wᵀ (+ bias)``
+  (``bias (out,)``: the eager :class:`snack.SparseLinear` passes it, so a backend can fuse it)
 * ``spmm_t(dy, values, topo)`` ``dy (B, out)`` → ``(B, in)``, ``dX = dY·W``
 * ``sddmm(dy, x, topo)`` → ``(nnz,)``, ``dvalues[k] = Σ_b dy[b, row_k] · x[b, col_k]``
 
-and ``supports(device) -> bool``. ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
+and ``supports(device) -> bool``; optionally ``spmm_backward(dy, x, values, topo) -> (dx, dvalues)``
+(both in one pass) and ``derived_tensors(topo) -> list[Tensor]`` (what it caches per topology,
+for memory accounting). ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
 Inputs arrive contiguous, checked, on one device; outputs must be new tensors. The custom ops in :mod:`snack.ops` register one kernel per
 device type with PyTorch's dispatcher; that kernel asks :func:`resolve` which backend to run:
 the one forced by :func:`use_backend`, else the first default for the device type that loads.
@@ -45,7 +48,7 @@ __all__ = [
 
 class Backend(Protocol):
     def supports(self, device: torch.device) -> bool: ...
-    def spmm(self, x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor: ...
+    def spmm(self, x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor: ...
     def spmm_t(self, dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor: ...
     def sddmm(self, dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor: ...
 

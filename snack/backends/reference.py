@@ -17,9 +17,10 @@ def supports(device: torch.device) -> bool:
     return True
 
 
-def spmm(x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
-    """``Y[b, r] = Σ_{k: row_k = r} values[k] · x[b, col_k]``; ``x (B, in)`` → ``(B, out)``."""
-    y = x.new_zeros(x.shape[0], topo.rowptr.numel() - 1)
+def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor:
+    """``Y[b, r] = bias[r] + Σ_{k: row_k = r} values[k] · x[b, col_k]``; ``x (B, in)`` → ``(B, out)``."""
+    n_out = topo.rowptr.numel() - 1
+    y = x.new_zeros(x.shape[0], n_out) if bias is None else bias.expand(x.shape[0], n_out).clone()
     return y.index_add_(1, topo.row, x[:, topo.col] * values)
 
 

@@ -12,10 +12,16 @@ import torch
 __all__ = ["Timer", "median_time"]
 
 # A sample should last at least this long: timer resolution and overhead stay small, and a
-# sample measures back-to-back calls (as in a training loop) rather than mostly the first call
-# after another variant has evicted this one's data from the caches.
+# sample measures back-to-back calls (as in a training loop).
 _MIN_SAMPLE_SECONDS = 20e-3
 _MAX_CALLS_PER_SAMPLE = 200
+# Untimed calls of the same function right before each sample. On the 2-core VM this project
+# measures on, the first few calls after other work (another variant, or even 50 ms of idling)
+# run 1.5-2x slower for any variant: a 90%-sparse 4096² batch-32 training step took 9-12 ms,
+# then 7, then 5.5 ms steady, with no page faults or context switches (CPU clock or vCPU
+# ramp-up). Interleaving variants would otherwise measure that ramp instead of the steady state
+# a training loop runs in.
+_LEAD_IN_SECONDS = 10e-3
 
 
 def synchronize(device: torch.device) -> None:
@@ -24,19 +30,22 @@ def synchronize(device: torch.device) -> None:
 
 
 class Timer:
-    """Times ``fn`` in samples of ``calls`` back-to-back calls (chosen by :meth:`warm_up`)."""
+    """Times ``fn`` in samples of ``calls`` back-to-back calls, each sample after ``lead_in``
+    untimed calls (both chosen by :meth:`warm_up`)."""
 
     def __init__(self, fn: Callable[[], object], device: torch.device):
         self.fn = fn
         self.device = device
         self.calls = 1
+        self.lead_in = 1
 
     def warm_up(self, rounds: int = 2) -> None:
         """Run ``fn`` a few times (first-call costs, caches), then size the samples."""
         for _ in range(rounds):
             self.fn()
-        one = self._time(1)
-        self.calls = max(1, min(_MAX_CALLS_PER_SAMPLE, int(_MIN_SAMPLE_SECONDS / max(one, 1e-9))))
+        one = max(self._time(1), 1e-9)
+        self.calls = max(1, min(_MAX_CALLS_PER_SAMPLE, int(_MIN_SAMPLE_SECONDS / one)))
+        self.lead_in = max(1, min(_MAX_CALLS_PER_SAMPLE, int(_LEAD_IN_SECONDS / one)))
 
     def _time(self, calls: int) -> float:
         synchronize(self.device)
@@ -47,7 +56,9 @@ class Timer:
         return (time.perf_counter() - start) / calls
 
     def sample(self) -> float:
-        """Seconds per call, averaged over one sample."""
+        """Seconds per call, averaged over one sample (after its untimed lead-in)."""
+        for _ in range(self.lead_in):
+            self.fn()
         return self._time(self.calls)
 
 

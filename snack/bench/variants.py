@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from snack import backends
 from snack.nn import SparseLinear
 
 __all__ = ["VARIANTS", "Memory", "build_variants"]
@@ -162,10 +163,11 @@ class Snack:
         self.layer(x).backward(dy)
 
     def state_bytes(self) -> Memory:
-        # the index buffers plus every derived index tensor the topology has cached
-        topo = self.layer.topology
-        topo.tensors()
-        structure = [topo.row, topo.col, topo.rowptr, topo.colptr, topo.csc_perm]
+        # the index buffers, every derived index tensor the topology caches, and what the
+        # backend caches per topology (the CPU backend's 16-bit columns for batch 1)
+        tensors = self.layer.topology.tensors()
+        backend = backends.resolve(self.layer.values.device)
+        structure = [*tensors, *getattr(backend, "derived_tensors", lambda topo: [])(tensors)]
         return _training_memory(list(self.layer.parameters()), structure)
 
 

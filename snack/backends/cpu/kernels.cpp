@@ -2,7 +2,8 @@
 //
 // W is a sparse out × in matrix in CSR form: `rowptr (out+1)`, `col (nnz)`, `values (nnz)`.
 //
-//   spmm   (x (B,in),   values, rowptr, col)              -> y (B,out)   y  = x · Wᵀ
+//   spmm   (x (B,in),   values, rowptr, col, bias?)       -> y (B,out)   y  = x · Wᵀ (+ bias)
+//   spmv_u16 (x (1,in), values, rowptr, col16, bias?)      -> y (1,out)   the same, 16-bit columns
 //   spmm_t (dy (B,out), values, rowptr, col, in_features) -> dx (B,in)   dx = dy · W
 //   sddmm  (dy (B,out), x (B,in), rowptr, col)            -> (nnz,)      Σ_b dy[b,row_k]·x[b,col_k]
 //   spmm_backward (dy, x, values, rowptr, col)            -> (spmm_t(dy), sddmm(dy, x)) in one pass
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <sys/mman.h>
@@ -307,43 +309,66 @@ inline auto lane_sum(V v) {
   }
 }
 
+// Σ_k values[k] · x[col[k]] over k in [begin, end): one row of a sparse matrix-vector product.
+// col_t is int32 or uint16 (the 16-bit copy of the columns that spmv_u16 reads: 6 instead of 8
+// bytes per non-zero, and this loop is bandwidth-bound). Sixteen (AVX-512) or eight (AVX2)
+// non-zeros at a time: values load as one vector, the x entries are gathered into another
+// (the gather instruction measured ~1.5x faster than assembling the vector from scalar loads).
+template <typename col_t, typename scalar_t, typename acc_t>
+acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* values, const acc_t* x) {
+  int64_t k = begin;
+  acc_t sum = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps();
+    for (; k < end; k += 16) {
+      // the row's last < 16 non-zeros through masked loads: one more iteration, not a scalar tail
+      const __mmask16 m = end - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - k)) - 1);
+      __m512i c;
+      if constexpr (sizeof(col_t) == 2) {
+        c = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + k));
+      } else {
+        c = _mm512_maskz_loadu_epi32(m, col + k);
+      }
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, values + k), _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, x, 4), a);
+    }
+    return _mm512_reduce_add_ps(a);
+#elif defined(__AVX2__)
+    if constexpr (sizeof(col_t) == 4) {
+      __m256 a = _mm256_setzero_ps();
+      for (; k + 8 <= end; k += 8) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + k));
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(values + k), _mm256_i32gather_ps(x, c, 4), a);
+      }
+      sum = lane_sum(reinterpret_cast<vec8<float>&>(a));
+    }
+#endif
+  }
+  using V = vec8<acc_t>;
+  V acc = {};
+  for (; k + 8 <= end; k += 8) {
+    V v, g;
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      v[u] = static_cast<acc_t>(values[k + u]);
+      g[u] = x[col[k + u]];
+    }
+    acc += v * g;
+  }
+  for (; k < end; ++k) sum += static_cast<acc_t>(values[k]) * x[col[k]];
+  return sum + lane_sum(acc);
+}
+
 // spmm for rows [r0, r1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
-// row's non-zeros into W accumulators and writes them to out[(b0 + j) · n_out + r] for the
-// `width` real batch columns j of this tile.
+// row's non-zeros into W accumulators, adds bias[r] (when bias is not null) and writes them to
+// out[(b0 + j) · n_out + r] for the `width` real batch columns j of this tile.
 template <int W, typename scalar_t, typename acc_t>
 void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
-                 const acc_t* packed, scalar_t* out, int64_t n_out, int64_t b0, int64_t width) {
+                 const acc_t* packed, const scalar_t* bias, scalar_t* out, int64_t n_out, int64_t b0, int64_t width) {
   if constexpr (W == 1) {
-    // sparse matrix-vector product, eight non-zeros at a time: values load as one vector, the
-    // eight x entries are gathered into another (AVX2's gather instruction for float: measured
-    // ~1.5x faster here than assembling the vector from scalar loads), one vector multiply-add.
-    using V = vec8<acc_t>;
     for (int64_t r = r0; r < r1; ++r) {
-      V acc = {};
-      const int64_t begin = rowptr[r], end = rowptr[r + 1];
-      int64_t k = begin;
-#if defined(__AVX2__)
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        __m256 a = _mm256_setzero_ps();
-        for (; k + 8 <= end; k += 8) {
-          const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + k));
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(values + k), _mm256_i32gather_ps(packed, c, 4), a);
-        }
-        _mm256_storeu_ps(reinterpret_cast<float*>(&acc), a);
-      }
-#endif
-      for (; k + 8 <= end; k += 8) {
-        V v, g;
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) {
-          v[u] = static_cast<acc_t>(values[k + u]);
-          g[u] = packed[col[k + u]];
-        }
-        acc += v * g;
-      }
-      acc_t tail = 0;
-      for (; k < end; ++k) tail += static_cast<acc_t>(values[k]) * packed[col[k]];
-      out[r] = static_cast<scalar_t>(lane_sum(acc) + tail);
+      const acc_t b = bias ? static_cast<acc_t>(bias[r]) : acc_t(0);
+      out[r] = static_cast<scalar_t>(row_dot(rowptr[r], rowptr[r + 1], col, values, packed) + b);
     }
   } else {
     constexpr int L = lanes_for<W>();
@@ -377,8 +402,9 @@ void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* c
       for (int u = 1; u < U; ++u)
 #pragma GCC unroll 8
         for (int q = 0; q < NV; ++q) acc[0][q] += acc[u][q];
+      const acc_t b = bias ? static_cast<acc_t>(bias[r]) : acc_t(0);
 #pragma GCC unroll 8
-      for (int q = 0; q < NV; ++q) block[r - block_start][q] = acc[0][q];
+      for (int q = 0; q < NV; ++q) block[r - block_start][q] = acc[0][q] + b;
       if (r + 1 - block_start == kRowBlock || r + 1 == r1) {
         unpack_block<W>(reinterpret_cast<const acc_t*>(block), r + 1 - block_start, width, out + b0 * n_out + block_start,
                         n_out);
@@ -452,10 +478,26 @@ void check_common(const char* op, const at::Tensor& a, const at::Tensor& b, cons
   TORCH_CHECK(rowptr.numel() >= 1, "snack_cpu.", op, ": rowptr must have out_features + 1 >= 1 entries");
 }
 
-// y (B, out) = x (B, in) · Wᵀ, parallel over rows of W.
-at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col) {
+// The optional bias of spmm and spmv_u16: a contiguous (out,) tensor of x's dtype, or nullptr.
+template <typename scalar_t>
+const scalar_t* bias_pointer(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->const_data_ptr<scalar_t>() : nullptr;
+}
+
+void check_bias(const char* op, const std::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n_out) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->numel() == n_out && bias->is_contiguous() &&
+                  bias->scalar_type() == x.scalar_type(),
+              "snack_cpu.", op, ": bias must be a contiguous (", n_out, ",) CPU tensor of dtype ", x.scalar_type(),
+              ", got shape ", bias->sizes(), " and dtype ", bias->scalar_type());
+}
+
+// y (B, out) = x (B, in) · Wᵀ (+ bias), parallel over rows of W.
+at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col,
+                const std::optional<at::Tensor>& bias) {
   check_common("spmm", x, values, rowptr, col);
   TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm: values and col must have the same length");
+  check_bias("spmm", bias, x, rowptr.numel() - 1);
   const int64_t B = x.size(0), n_in = x.size(1), n_out = rowptr.numel() - 1, nnz = values.numel();
   at::Tensor out = at::empty({B, n_out}, x.options());
   if (B == 0 || n_out == 0) return out;
@@ -466,6 +508,7 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
     const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
     const index_t* col_p = col.const_data_ptr<index_t>();
     const scalar_t* val_p = values.const_data_ptr<scalar_t>();
+    const scalar_t* bias_p = bias_pointer<scalar_t>(bias);
     scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
     with_width(W, [&](auto w) {
       constexpr int kW = decltype(w)::value;
@@ -474,8 +517,43 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
         const acc_t* tile = packed + (b0 / kW) * n_in * kW;
         const int64_t width = std::min<int64_t>(kW, B - b0);
         parallel_segments(rowptr_p, n_out, nnz * kW, [&](int64_t r0, int64_t r1) {
-          gather_rows<kW>(r0, r1, rowptr_p, col_p, val_p, tile, out_p, n_out, b0, width);
+          gather_rows<kW>(r0, r1, rowptr_p, col_p, val_p, tile, bias_p, out_p, n_out, b0, width);
         });
+      }
+    });
+  });
+  return out;
+}
+
+// y (1, out) = x (1, in) · Wᵀ (+ bias) with the columns as uint16 (in an int16 tensor,
+// in_features <= 65536): the batch-1 forward, bandwidth-bound, reading 6 instead of 8 bytes per
+// non-zero.
+at::Tensor spmv_u16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& rowptr, const at::Tensor& col16,
+                    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && x.size(1) <= 65536,
+              "snack_cpu.spmv_u16: x must be a contiguous (1, in) CPU tensor with in <= 65536, got ", x.sizes());
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == x.scalar_type() && values.numel() == col16.numel(),
+              "snack_cpu.spmv_u16: values must be contiguous with x's dtype and one entry per column index");
+  TORCH_CHECK(rowptr.dim() == 1 && rowptr.is_contiguous() && rowptr.scalar_type() == at::kInt && rowptr.numel() >= 1,
+              "snack_cpu.spmv_u16: rowptr must be a contiguous 1-D int32 tensor of out_features + 1 entries");
+  TORCH_CHECK(col16.dim() == 1 && col16.is_contiguous() && col16.scalar_type() == at::kShort,
+              "snack_cpu.spmv_u16: col16 must be a contiguous 1-D int16 tensor");
+  const int64_t n_out = rowptr.numel() - 1;
+  check_bias("spmv_u16", bias, x, n_out);
+  at::Tensor out = at::empty({1, n_out}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "snack_cpu_spmv_u16", [&] {
+    using acc_t = acc_type<scalar_t>;
+    Scratch scratch;
+    const acc_t* packed = pack_tiles<1, scalar_t, acc_t>(x, scratch, Scratch::kPackA);
+    const index_t* rowptr_p = rowptr.const_data_ptr<index_t>();
+    const auto* col_p = reinterpret_cast<const uint16_t*>(col16.const_data_ptr<int16_t>());
+    const scalar_t* val_p = values.const_data_ptr<scalar_t>();
+    scalar_t* out_p = out.mutable_data_ptr<scalar_t>();
+    const scalar_t* bias_p = bias_pointer<scalar_t>(bias);
+    parallel_segments(rowptr_p, n_out, values.numel(), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const acc_t b = bias_p ? static_cast<acc_t>(bias_p[r]) : acc_t(0);
+        out_p[r] = static_cast<scalar_t>(row_dot(rowptr_p[r], rowptr_p[r + 1], col_p, val_p, packed) + b);
       }
     });
   });
@@ -657,7 +735,8 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
 }  // namespace
 
 TORCH_LIBRARY(snack_cpu, m) {
-  m.def("spmm(Tensor x, Tensor values, Tensor rowptr, Tensor col) -> Tensor");
+  m.def("spmm(Tensor x, Tensor values, Tensor rowptr, Tensor col, Tensor? bias=None) -> Tensor");
+  m.def("spmv_u16(Tensor x, Tensor values, Tensor rowptr, Tensor col16, Tensor? bias=None) -> Tensor");
   m.def("spmm_t(Tensor dy, Tensor values, Tensor rowptr, Tensor col, int in_features) -> Tensor");
   m.def("sddmm(Tensor dy, Tensor x, Tensor rowptr, Tensor col) -> Tensor");
   m.def("spmm_backward(Tensor dy, Tensor x, Tensor values, Tensor rowptr, Tensor col) -> (Tensor, Tensor)");
@@ -665,6 +744,7 @@ TORCH_LIBRARY(snack_cpu, m) {
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
   m.impl("spmm", &spmm);
+  m.impl("spmv_u16", &spmv_u16);
   m.impl("spmm_t", &spmm_t);
   m.impl("sddmm", &sddmm);
   m.impl("spmm_backward", &spmm_backward);

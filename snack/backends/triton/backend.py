@@ -178,20 +178,25 @@ def _pointer_spmm(a: Tensor, values: Tensor, seg_ptr, gather_index, perm, n_out:
     return y
 
 
-def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
-    """``Y = X·Wᵀ``: ``x (B, in)`` → ``(B, out)``.
+def spmm(
+    x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None, *, form: str | None = None
+) -> Tensor:
+    """``Y = X·Wᵀ (+ bias)``: ``x (B, in)`` → ``(B, out)``.
 
     Args:
+        bias: ``(out,)`` added to every row (one extra pass; not fused into the kernels yet).
         form: ``"segment"`` or ``"pointer"`` to override :func:`spmm_form` (benchmarks, tests).
     """
     _check_dtype("spmm", x, values)
     n_out = topo.rowptr.numel() - 1
     form = form or spmm_form(x.shape[0], n_out, x.device)
     if form == "segment":
-        return _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, None, n_out)
-    if form == "pointer":
-        return _pointer_spmm(x, values, topo.rowptr, topo.col, None, n_out)
-    raise ValueError(f"form must be 'segment' or 'pointer', got {form!r}")
+        y = _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, None, n_out)
+    elif form == "pointer":
+        y = _pointer_spmm(x, values, topo.rowptr, topo.col, None, n_out)
+    else:
+        raise ValueError(f"form must be 'segment' or 'pointer', got {form!r}")
+    return y if bias is None else y.add_(bias)
 
 
 def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
