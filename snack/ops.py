@@ -101,10 +101,20 @@ def _sddmm_op(dy: Tensor, x: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, c
 
 
 def _spmm_backward_kernel(
-    dy: Tensor, x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
-) -> tuple[Tensor, Tensor]:
-    """``(spmm_t(dy, values), sddmm(dy, x))``: the backend's fused ``spmm_backward`` (one pass
-    over the weight) when it has one, else its two kernels."""
+    dy: Tensor,
+    x: Tensor,
+    values: Tensor,
+    row: Tensor,
+    col: Tensor,
+    rowptr: Tensor,
+    colptr: Tensor,
+    csc_perm: Tensor,
+    *,
+    bias_grad: bool = False,
+) -> tuple[Tensor, ...]:
+    """``(spmm_t(dy, values), sddmm(dy, x))``, and ``dy.sum(0)`` (the bias gradient) third when
+    ``bias_grad``: the backend's fused ``spmm_backward`` (one pass over the weight) when it has
+    one, else its two kernels."""
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
     _check("spmm_t", dy, values, topo)
     _check("sddmm", dy, x, topo)
@@ -112,8 +122,9 @@ def _spmm_backward_kernel(
     dy, x, values = dy.contiguous(), x.contiguous(), values.contiguous()
     fused = getattr(backend, "spmm_backward", None)
     if fused is not None:
-        return fused(dy, x, values, topo)
-    return backend.spmm_t(dy, values, topo), backend.sddmm(dy, x, topo)
+        return fused(dy, x, values, topo, bias_grad=True) if bias_grad else fused(dy, x, values, topo)
+    grads = backend.spmm_t(dy, values, topo), backend.sddmm(dy, x, topo)
+    return (*grads, dy.sum(0)) if bias_grad else grads
 
 
 @torch.library.custom_op("snack::spmm_backward", mutates_args=())
@@ -267,6 +278,9 @@ class _SparseLinearFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, values = ctx.saved_tensors
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
+        if need_x and need_values and need_bias and not torch.is_grad_enabled():
+            # a training step's backward: all three gradients from one pass over the weight
+            return (*_spmm_backward_kernel(grad, x, values, *ctx.topo, bias_grad=True), None)
         dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
         return dx, dvalues, grad.sum(0) if need_bias else None, None
 

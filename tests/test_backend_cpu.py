@@ -88,12 +88,15 @@ def test_ops_dispatch_to_native_kernels(monkeypatch):
     calls = []
     for name in OPS:
         original = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *args, name=name, original=original: calls.append(name) or original(*args))
+        monkeypatch.setattr(
+            cpu, name, lambda *args, name=name, original=original, **kw: calls.append(name) or original(*args, **kw)
+        )
     layer = snack.SparseLinear(16, 8, sparsity=0.5)
     x = torch.randn(3, 16, requires_grad=True)
     layer(x).sum().backward()
-    # a training step: forward, then the fused backward (dX and dvalues in one pass)
+    # a training step: forward, then the fused backward (dX, dvalues and dbias in one pass)
     assert calls == ["spmm", "spmm_backward"]
+    torch.testing.assert_close(layer.bias.grad, torch.full((8,), 3.0))
     calls.clear()
     layer(torch.randn(3, 16)).sum().backward()  # only dvalues wanted
     assert calls == ["spmm", "sddmm"]
@@ -246,6 +249,18 @@ def test_spmm_adds_the_bias_in_the_kernel(batch, dtype, threads):
     expected = reference.spmm(x.double(), values.double(), topo.tensors(), bias.double())
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 40])
+def test_fused_backward_also_returns_the_bias_gradient(batch, threads):
+    topo = random_topology(21, 30, 0.6)
+    dy, x = torch.randn(batch, 21, dtype=torch.float64), torch.randn(batch, 30, dtype=torch.float64)
+    values = torch.randn(topo.nnz, dtype=torch.float64)
+    dx, dvalues, dbias = cpu.spmm_backward(dy, x, values, topo.tensors(), bias_grad=True)
+    torch.testing.assert_close(dbias, dy.sum(0))
+    torch.testing.assert_close(dx, reference.spmm_t(dy, values, topo.tensors()))
+    torch.testing.assert_close(dvalues, reference.sddmm(dy, x, topo.tensors()))
+    assert len(cpu.spmm_backward(dy, x, values, topo.tensors())) == 2
 
 
 def test_batch_one_reads_16_bit_columns_up_to_65536():

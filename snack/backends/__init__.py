@@ -8,8 +8,8 @@ A backend implements the three sparse ops on the flat topology tensors
 * ``spmm_t(dy, values, topo)`` ``dy (B, out)`` → ``(B, in)``, ``dX = dY·W``
 * ``sddmm(dy, x, topo)`` → ``(nnz,)``, ``dvalues[k] = Σ_b dy[b, row_k] · x[b, col_k]``
 
-and ``supports(device) -> bool``; optionally ``spmm_backward(dy, x, values, topo) -> (dx, dvalues)``
-(both in one pass) and ``derived_tensors(topo) -> list[Tensor]`` (what it caches per topology,
+and ``supports(device) -> bool``; optionally ``spmm_backward(dy, x, values, topo, *, bias_grad=False)
+-> (dx, dvalues[, dy.sum(0)])`` (all in one pass) and ``derived_tensors(topo) -> list[Tensor]`` (what it caches per topology,
 for memory accounting). ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
 Inputs arrive contiguous, checked, on one device; outputs must be new tensors. The custom ops in :mod:`snack.ops` register one kernel per
 device type with PyTorch's dispatcher; that kernel asks :func:`resolve` which backend to run:

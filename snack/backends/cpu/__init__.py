@@ -155,7 +155,11 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
     return _ops.sddmm(dy, x, topo.rowptr, topo.col)
 
 
-def spmm_backward(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors) -> tuple[Tensor, Tensor]:
+def spmm_backward(
+    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False
+) -> tuple[Tensor, ...]:
     """``(spmm_t(dy, values), sddmm(dy, x))`` in one pass over the weight: ``dy (B, out)``,
-    ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,))``."""
-    return _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col)
+    ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,))``, plus ``dbias = dy.sum(0)`` (computed while
+    packing ``dy``) as a third output when ``bias_grad``."""
+    dx, dvalues, dbias = _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col, bias_grad)
+    return (dx, dvalues, dbias) if bias_grad else (dx, dvalues)
