@@ -28,6 +28,14 @@ FULL = dict(sizes=["4096x4096", "768x3072"], sparsity=[0.9, 0.95, 0.99], batch=[
 QUICK = dict(sizes=["768x3072"], sparsity=[0.9, 0.99], batch=[1, 32], repeats=3)
 
 
+
+def _limits(machine) -> str:
+    """The measured limits in one line."""
+    cache = ""
+    if machine.cache_bytes:
+        cache = f", {machine.cache_bandwidth / 1e9:.1f} GB/s reading a {machine.cache_bytes >> 20} MiB buffer (cache)"
+    return f"copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s{cache}, dense GEMM {machine.peak_flops / 1e9:.0f} GFLOP/s"
+
 def _size(text: str) -> tuple[int, int]:
     try:
         out_features, in_features = (int(part) for part in text.lower().split("x"))
@@ -113,8 +121,7 @@ def run(args: argparse.Namespace) -> int:
     backend = default_backend_name(device.type)
     print(f"snack bench on {machine_line(device)}; snack backend: {backend}", file=sys.stderr)
     machine = measure_machine(device)
-    print(f"measured: copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s, dense GEMM {machine.peak_flops / 1e9:.0f} GFLOP/s",
-          file=sys.stderr)
+    print(f"measured: {_limits(machine)}", file=sys.stderr)
     with tqdm(total=grid.points(), desc="snack bench", unit="point", disable=args.no_progress, file=sys.stderr) as bar:
         def progress(description: str) -> None:
             bar.set_postfix_str(description)
@@ -133,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         # other work on the machine shows up as noise: record how busy it was
         "load_average_1min_at_end": os.getloadavg()[0],
         "bandwidth_bytes_per_s": machine.bandwidth,
+        "cache_bandwidth_bytes_per_s": machine.cache_bandwidth,
+        "cache_bytes": machine.cache_bytes,
         "peak_flops_per_s": machine.peak_flops,
         "grid": {"sizes": grid.sizes, "sparsities": grid.sparsities, "batches": grid.batches, "modes": grid.modes,
                  "repeats": grid.repeats},
@@ -145,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
     write_plot(args.out / f"{stem}_speedup.png", times, title)
 
     print(f"\n{metadata['date']} · {metadata['machine']} · `{command}`")
-    print(f"bandwidth {machine.bandwidth / 1e9:.1f} GB/s, peak {machine.peak_flops / 1e9:.0f} GFLOP/s; "
-          "× = speedup over dense nn.Linear (ratio of medians); distance = snack time / roofline bound\n")
+    print(f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
+          "distance = snack time / roofline bound\n")
     print(format_table(times))
     print("\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n")
     print(format_memory(memory))

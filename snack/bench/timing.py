@@ -21,7 +21,7 @@ _MAX_CALLS_PER_SAMPLE = 200
 # then 7, then 5.5 ms steady, with no page faults or context switches (CPU clock or vCPU
 # ramp-up). Interleaving variants would otherwise measure that ramp instead of the steady state
 # a training loop runs in.
-_LEAD_IN_SECONDS = 10e-3
+_LEAD_IN_SECONDS = 30e-3
 
 
 def synchronize(device: torch.device) -> None:
