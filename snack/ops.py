@@ -19,6 +19,12 @@ two, so gradients of any order stay sparse. The kernel registered for each devic
 A first-order backward of ``spmm`` that needs both gradients calls ``snack::spmm_backward``
 instead, which runs the backend's optional ``spmm_backward(dy, x, values, topo) -> (dx, dvalues)``
 (both in one pass over the weight) or, when the backend has none, its ``spmm_t`` and ``sddmm``.
+
+:func:`sparse_linear` (what :class:`snack.SparseLinear` runs) uses the custom ops only under
+``torch.compile``. Eagerly it checks its arguments once and runs one autograd node,
+:class:`_SparseLinearFunction`, that calls the backend directly: the bias goes into the backend's
+``spmm``, and a training step's backward asks the fused ``spmm_backward`` for the bias gradient
+too. Without autograd (inference) it calls the backend's ``spmm`` and nothing else.
 """
 
 from __future__ import annotations
@@ -260,9 +266,10 @@ class _SparseLinearFunction(torch.autograd.Function):
 
     The custom ops' Python wrappers (``torch.library``) cost about 30 µs per call, 80 µs with
     autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
-    step at 99% sparsity. This one autograd node runs the same checks and the same backend
-    kernels (with the bias added inside the forward kernel) for a fraction of that. Tracing
-    (``torch.compile``) uses the custom ops, which have fake implementations.
+    step at 99% sparsity. This one autograd node runs the same backend kernels on inputs
+    :func:`sparse_linear` has checked, for a fraction of that (a 64×64 training step: 113 µs,
+    ``nn.Linear`` 94 µs). Tracing (``torch.compile``) uses the custom ops, which have fake
+    implementations.
     """
 
     # the old-style forward(ctx, ...): with a separate setup_context, apply() binds the arguments
@@ -286,6 +293,7 @@ class _SparseLinearFunction(torch.autograd.Function):
 
 
 def _check_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None) -> None:
+    """The argument checks of :func:`sparse_linear`: shapes, one floating dtype, one device."""
     out_features, in_features = topology.shape
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"snack.sparse_linear: x must have shape (*, {in_features}), got {tuple(x.shape)}")

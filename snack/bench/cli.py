@@ -28,13 +28,13 @@ FULL = dict(sizes=["4096x4096", "768x3072"], sparsity=[0.9, 0.95, 0.99], batch=[
 QUICK = dict(sizes=["768x3072"], sparsity=[0.9, 0.99], batch=[1, 32], repeats=3)
 
 
-
 def _limits(machine) -> str:
     """The measured limits in one line."""
     cache = ""
     if machine.cache_bytes:
         cache = f", {machine.cache_bandwidth / 1e9:.1f} GB/s reading a {machine.cache_bytes >> 20} MiB buffer (cache)"
     return f"copy bandwidth {machine.bandwidth / 1e9:.1f} GB/s{cache}, dense GEMM {machine.peak_flops / 1e9:.0f} GFLOP/s"
+
 
 def _size(text: str) -> tuple[int, int]:
     try:
