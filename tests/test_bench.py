@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import time
 
 import pytest
 import torch
 
 from snack.bench import Machine, cli
 from snack.bench.roofline import sparse_bound
+from snack.bench.timing import Timer
 from snack.bench.variants import build_variants
 from snack.cli import build_parser
 
@@ -81,6 +83,16 @@ def test_variants_compute_the_same_layer():
     expected = variants[0].infer(x)
     for variant in variants[1:]:
         torch.testing.assert_close(variant.infer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_timer_samples_after_an_untimed_lead_in():
+    calls = []
+    timer = Timer(lambda: calls.append(time.perf_counter()), torch.device("cpu"))
+    timer.warm_up()
+    assert timer.lead_in >= timer.calls >= 1  # 30 ms of lead-in, 20 ms samples (or both capped)
+    calls.clear()
+    assert timer.sample() >= 0
+    assert len(calls) == timer.lead_in + timer.calls
 
 
 def test_roofline_bound():

@@ -18,9 +18,9 @@ _MAX_CALLS_PER_SAMPLE = 200
 # Untimed calls of the same function right before each sample. On the 2-core VM this project
 # measures on, the first few calls after other work (another variant, or even 50 ms of idling)
 # run 1.5-2x slower for any variant: a 90%-sparse 4096² batch-32 training step took 9-12 ms,
-# then 7, then 5.5 ms steady, with no page faults or context switches (CPU clock or vCPU
-# ramp-up). Interleaving variants would otherwise measure that ramp instead of the steady state
-# a training loop runs in.
+# then 7, then 5.5 ms steady (a ramp of ~20 ms), with no page faults or context switches (CPU
+# clock or vCPU ramp-up). Interleaving variants would otherwise measure that ramp instead of the
+# steady state a training loop runs in.
 _LEAD_IN_SECONDS = 30e-3
 
 
