@@ -105,6 +105,8 @@ def test_roofline_bound():
     _, train_flops, train_moved = sparse_bound(machine, 10, 20, nnz=50, batch=2, training=True)
     assert (train_flops, train_moved) == (3 * flops, 2 * weight + 50 * 4 + 2 * activations)
     # a working set that fits the measured cache buffer streams at the cache's rate
+    # a forward reading 16-bit columns moves 2 bytes less per non-zero
+    assert sparse_bound(machine, 10, 20, nnz=50, batch=2, training=False, forward_column_bytes=2)[2] == moved - 100
     cached = Machine(bandwidth=1e9, peak_flops=1e12, cache_bandwidth=4e9, cache_bytes=weight + activations)
     assert sparse_bound(cached, 10, 20, nnz=50, batch=2, training=False)[0] == moved / 4e9
     assert sparse_bound(cached, 10, 20, nnz=50, batch=3, training=False)[0] == (moved + 30 * 4) / 1e9

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from snack import backends
 from snack.bench.roofline import Machine, sparse_bound
 from snack.bench.timing import Timer
 from snack.bench.variants import build_variants
@@ -137,6 +138,13 @@ def _memory_records(size: tuple[int, int], sparsity: float, variants) -> list[Me
     ]
 
 
+def _forward_column_bytes(device: torch.device, batch: int, in_features: int) -> int:
+    """Bytes per column index the default backend's forward reads (the CPU backend's batch-1
+    kernel reads a 16-bit copy), so that the bound counts what the kernel must move."""
+    backend = backends.resolve(device)
+    return getattr(backend, "forward_column_bytes", lambda batch, in_features: 4)(batch, in_features)
+
+
 def run_grid(
     grid: Grid, machine: Machine, device: torch.device, progress: Callable[[str], None] | None = None
 ) -> tuple[list[TimeRecord], list[MemoryRecord]]:
@@ -153,7 +161,10 @@ def run_grid(
                 for batch in grid.batches:
                     for mode in grid.modes:
                         samples = _measure_point(variants, size, batch, mode, grid.repeats, device)
-                        bound, _, _ = sparse_bound(machine, *size, nnz, batch, mode == "training")
+                        bound, _, _ = sparse_bound(
+                            machine, *size, nnz, batch, mode == "training",
+                            forward_column_bytes=_forward_column_bytes(device, batch, size[1]),
+                        )
                         point = dict(out_features=size[0], in_features=size[1], sparsity=sparsity, batch=batch, mode=mode)
                         times.extend(_time_records(point, samples, bound))
                         if progress is not None:

@@ -70,25 +70,35 @@ def measure_machine(device: torch.device, repeats: int = 5) -> Machine:
 
 
 def sparse_bound(
-    machine: Machine, out_features: int, in_features: int, nnz: int, batch: int, training: bool, element_size: int = 4
+    machine: Machine,
+    out_features: int,
+    in_features: int,
+    nnz: int,
+    batch: int,
+    training: bool,
+    element_size: int = 4,
+    forward_column_bytes: int = 4,
 ) -> tuple[float, float, float]:
     """``(bound seconds, flops, bytes)`` of a sparse layer's inference or training step.
 
-    Inference (``Y = X·Wᵀ``): ``2·B·nnz`` flops; reads the weight (values + int32 column indices
-    + row pointer) and ``X``, writes ``Y``. A training step adds the backward, ``dX = dY·W`` and
-    ``dvalues = sddmm(dY, X)``: twice the forward's flops, and at least one more read of the
-    weight, a write of ``dvalues`` (nnz values), reads of ``dY`` and ``X`` and a write of ``dX``
-    (a fused backward does exactly this; separate kernels move more). The bandwidth is the
-    cache's when the working set (weight, dvalues, activations) fits it (:meth:`Machine.bandwidth_for`).
+    Inference (``Y = X·Wᵀ``): ``2·B·nnz`` flops; reads the weight (values + column indices of
+    ``forward_column_bytes`` each + int32 row pointer) and ``X``, writes ``Y``. A training step
+    adds the backward, ``dX = dY·W`` and ``dvalues = sddmm(dY, X)``: twice the forward's flops,
+    and at least one more read of the weight (int32 columns), a write of ``dvalues`` (nnz
+    values), reads of ``dY`` and ``X`` and a write of ``dX`` (a fused backward does exactly
+    this; separate kernels move more). The bandwidth is the cache's when the working set
+    (weight, dvalues, activations) fits it (:meth:`Machine.bandwidth_for`).
     """
-    weight_bytes = nnz * (element_size + 4) + (out_features + 1) * 4
+    pointer_bytes = (out_features + 1) * 4
+    forward_weight = nnz * (element_size + forward_column_bytes) + pointer_bytes
+    weight_bytes = nnz * (element_size + 4) + pointer_bytes
     activation_bytes = batch * (in_features + out_features) * element_size
     if training:
         flops = 3 * 2 * batch * nnz
-        moved = 2 * weight_bytes + nnz * element_size + 2 * activation_bytes
+        moved = forward_weight + weight_bytes + nnz * element_size + 2 * activation_bytes
         working_set = weight_bytes + nnz * element_size + 2 * activation_bytes
     else:
         flops = 2 * batch * nnz
-        moved = working_set = weight_bytes + activation_bytes
+        moved = working_set = forward_weight + activation_bytes
     bandwidth = machine.bandwidth_for(working_set)
     return max(moved / bandwidth, flops / machine.peak_flops), flops, moved

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from snack.topology import TopologyTensors
 
-__all__ = ["BuildError", "build", "derived_tensors", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+__all__ = ["BuildError", "build", "derived_tensors", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
@@ -130,6 +130,11 @@ def narrow_columns(col: Tensor) -> Tensor:
     return entry[1]
 
 
+def forward_column_bytes(batch: int, in_features: int) -> int:
+    """Bytes per column index :func:`spmm` reads (for the benchmark's roofline bound)."""
+    return 2 if batch == 1 and in_features <= _MAX_U16_COLUMNS else 4
+
+
 def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
     """What this backend caches per topology (for memory accounting): the 16-bit columns."""
     in_features = topo.colptr.numel() - 1
@@ -139,7 +144,7 @@ def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
 def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor:
     """``Y = X·Wᵀ (+ bias)``: ``x (B, in)`` → ``(B, out)``, the bias added in the kernel. Batch 1
     reads 16-bit columns (see :func:`narrow_columns`)."""
-    if x.shape[0] == 1 and x.shape[1] <= _MAX_U16_COLUMNS:
+    if forward_column_bytes(x.shape[0], x.shape[1]) == 2:
         return _ops.spmv_u16(x, values, topo.rowptr, narrow_columns(topo.col), bias)
     return _ops.spmm(x, values, topo.rowptr, topo.col, bias)
 
