@@ -279,6 +279,16 @@ def test_batch_one_reads_16_bit_columns_up_to_65536():
     torch.testing.assert_close(cpu.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
 
 
+def test_layers_built_under_inference_mode():
+    # inference tensors have no version counter: batch 1 takes the 32-bit kernel instead of the cache
+    with torch.inference_mode():
+        layer = snack.SparseLinear(40, 30, sparsity=0.6)
+        for batch in (1, 3):
+            x = torch.randn(batch, 40)
+            expected = reference.spmm(x, layer.values, layer.topology.tensors(), layer.bias)
+            torch.testing.assert_close(layer(x), expected)
+
+
 def test_16_bit_columns_follow_in_place_changes():
     # load_state_dict copies into the col buffer in place: the cached copy must not go stale
     topo = random_topology(4, 6, 0.5)

@@ -138,13 +138,14 @@ def forward_column_bytes(batch: int, in_features: int) -> int:
 def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
     """What this backend caches per topology (for memory accounting): the 16-bit columns."""
     in_features = topo.colptr.numel() - 1
-    return [narrow_columns(topo.col)] if in_features <= _MAX_U16_COLUMNS else []
+    return [narrow_columns(topo.col)] if in_features <= _MAX_U16_COLUMNS and not topo.col.is_inference() else []
 
 
 def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor:
     """``Y = X·Wᵀ (+ bias)``: ``x (B, in)`` → ``(B, out)``, the bias added in the kernel. Batch 1
     reads 16-bit columns (see :func:`narrow_columns`)."""
-    if forward_column_bytes(x.shape[0], x.shape[1]) == 2:
+    # (inference tensors have no version counter to keep the cached copy honest: 32-bit path)
+    if forward_column_bytes(x.shape[0], x.shape[1]) == 2 and not topo.col.is_inference():
         return _ops.spmv_u16(x, values, topo.rowptr, narrow_columns(topo.col), bias)
     return _ops.spmm(x, values, topo.rowptr, topo.col, bias)
 
