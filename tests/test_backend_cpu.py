@@ -7,6 +7,9 @@ non-contiguous and 3-D inputs through ``SparseLinear``, and a 100,000 × 100,000
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -324,6 +327,48 @@ def test_native_ops_reject_bad_input(call, message):
     topo = Topology(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0, 3], dtype=torch.int32), (3, 4))
     with pytest.raises(RuntimeError, match=message):
         call(topo.tensors())
+
+
+# Run in a fresh process: the vector ISA is chosen when torch is imported.
+_OTHER_ISA_CHECK = """
+import torch
+from snack.backends import cpu, reference
+from snack.topology import Topology, random_coo
+assert torch.backends.cpu.get_cpu_capability() == "{isa}", torch.backends.cpu.get_cpu_capability()
+assert "_{isa_lower}_" in str(cpu.build())
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for out_features, in_features, sparsity in ((37, 50, 0.6), (300, 200, 0.9)):
+        topo = Topology(*random_coo(out_features, in_features, sparsity), (out_features, in_features))
+        t = topo.tensors()
+        for batch in (1, 5, 32):
+            for dtype in (torch.float32, torch.float64):
+                x = torch.randn(batch, in_features, dtype=dtype)
+                dy = torch.randn(batch, out_features, dtype=dtype)
+                values = torch.randn(topo.nnz, dtype=dtype)
+                bias = torch.randn(out_features, dtype=dtype)
+                close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                close(cpu.spmm(x, values, t, bias), reference.spmm(x, values, t, bias))
+                close(cpu.spmm_t(dy, values, t), reference.spmm_t(dy, values, t))
+                close(cpu.sddmm(dy, x, t), reference.sddmm(dy, x, t))
+                dx, dvalues, dbias = cpu.spmm_backward(dy, x, values, t, bias_grad=True)
+                close(dx, reference.spmm_t(dy, values, t))
+                close(dvalues, reference.sddmm(dy, x, t))
+                close(dbias, dy.sum(0))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "DEFAULT"])
+def test_kernels_built_for_narrower_vector_isas(isa):
+    # the build ships for the ISA torch uses on the machine: AVX2 machines (and ones without AVX)
+    # compile other code paths (8-wide vectors, no 16-way reductions, scalar gathers)
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT" and isa == "AVX2":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower()}
+    script = _OTHER_ISA_CHECK.format(isa=isa, isa_lower=isa.lower())
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def test_failed_build_raises_a_clear_error(tmp_path, monkeypatch):
