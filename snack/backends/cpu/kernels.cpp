@@ -12,13 +12,14 @@
 // spmm_t, both for sddmm) are packed once per call into tiles
 // `(tiles, n, W)`: tile t holds batch columns [t·W, t·W + W) of every gathered row, zero-padded,
 // so each non-zero reads one contiguous W-vector, W is a compile-time constant the compiler
-// unrolls into registers, and one tile (n · W values) is sized to stay in L2 while all rows
-// stream past it. B = 1 uses W = 1 (a sparse matrix-vector product).
+// unrolls into registers (vectors of 16 floats on AVX-512 where W allows, else 8), and one tile
+// (n · W values) is sized to stay in L2 while all rows stream past it. B = 1 uses W = 1 (a
+// sparse matrix-vector product; its forward reads 16-bit columns, spmv_u16).
 //
 // Parallelism: rows are split into chunks of about equal work (non-zeros + rows) and run with
 // at::parallel_for. In spmm and sddmm every output element is written by exactly one chunk; in
-// spmm_t each thread scatters into a private accumulator and these are summed (see spmm_t).
-// No atomics anywhere.
+// spmm_t each thread scatters into a private accumulator and these are summed (see
+// scatter_product). No atomics anywhere. Temporaries live in per-thread scratch buffers (Scratch).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
