@@ -67,25 +67,31 @@ def _clear_grads(*tensors: Tensor) -> None:
         t.grad = None
 
 
-class Dense:
-    name = "dense"
+class _ModuleVariant:
+    """A variant that is one ``nn.Module`` (``self.module``) run as is."""
 
-    def __init__(self, layer: SparseLinear):
-        self.linear = nn.Linear(layer.in_features, layer.out_features, device=layer.values.device)
-        with torch.no_grad():
-            self.linear.weight.copy_(layer.to_dense())
-            self.linear.bias.copy_(layer.bias)
+    module: nn.Module
 
     def infer(self, x: Tensor) -> Tensor:
         with torch.no_grad():
-            return self.linear(x)
+            return self.module(x)
 
     def train_step(self, x: Tensor, dy: Tensor) -> None:
-        _clear_grads(x, *self.linear.parameters())
-        self.linear(x).backward(dy)
+        _clear_grads(x, *self.module.parameters())
+        self.module(x).backward(dy)
+
+
+class Dense(_ModuleVariant):
+    name = "dense"
+
+    def __init__(self, layer: SparseLinear):
+        self.module = nn.Linear(layer.in_features, layer.out_features, device=layer.values.device)
+        with torch.no_grad():
+            self.module.weight.copy_(layer.to_dense())
+            self.module.bias.copy_(layer.bias)
 
     def state_bytes(self) -> Memory:
-        return _training_memory(list(self.linear.parameters()), [])
+        return _training_memory(list(self.module.parameters()), [])
 
 
 class DenseMask:
@@ -148,19 +154,11 @@ class TorchSparseCSR:
         return _training_memory([self.values, self.bias], [self.crow, self.col, self.crow_t, self.col_t, self.perm_t])
 
 
-class Snack:
+class Snack(_ModuleVariant):
     name = "snack"
 
     def __init__(self, layer: SparseLinear):
-        self.layer = layer
-
-    def infer(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return self.layer(x)
-
-    def train_step(self, x: Tensor, dy: Tensor) -> None:
-        _clear_grads(x, *self.layer.parameters())
-        self.layer(x).backward(dy)
+        self.module = self.layer = layer
 
     def state_bytes(self) -> Memory:
         # the index buffers, every derived index tensor the topology caches, and what the
