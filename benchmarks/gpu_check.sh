@@ -4,15 +4,17 @@
 #
 #   OUT=/path/to/results benchmarks/gpu_check.sh        # from anywhere; default OUT=benchmarks/gpu
 #
-# Writes 7 files into $OUT:
+# Writes 9 files into $OUT (about 5 minutes in all):
 #   env.txt              GPU, driver, torch / triton / python versions
 #   compile_check.txt    `snack compile-check --arch 80 --arch 90`
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
 #   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer forms vs Dense+Mask,
-#   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90% (tables);
-#                        checks the autotuned kernels against dense results first
+#   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
+#                        from CUDA graphs; a host profile of the eager step; the autotuned
+#                        configs. Checks the autotuned kernels against dense results first
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   layer_bench.tar.gz   the files `snack bench` wrote
+#   kernel_bench_bf16.*  the kernel benchmark in bfloat16 (half the gathered bytes), small grid
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
 # non-zero if any failed, and the last line names them.
 set -euo pipefail
@@ -60,14 +62,20 @@ step compile-check 40 "$OUTDIR/compile_check.txt" \
 step pytest 80 "$OUTDIR/pytest.txt" \
     env SNACK_TEST_DEVICE=cuda SNACK_TRITON_AUTOTUNE=0 "$PY" -m pytest tests/test_backend_triton.py -q -p no:cacheprovider
 
-step kernel-bench 120 "$OUTDIR/kernel_bench.txt" \
+# The first call per batch tile autotunes (compiles 3-8 configs per kernel): most of this step.
+step kernel-bench 150 "$OUTDIR/kernel_bench.txt" \
     "$PY" -m snack.backends.triton.kernel_bench --out "$OUTDIR/kernel_bench.json"
 
-# The layer benchmark gets what is left of the 5 minutes.
 LAYER_DIR="$(mktemp -d)"
-step layer-bench $((290 - (SECONDS - START) > 30 ? 290 - (SECONDS - START) : 30)) "$OUTDIR/layer_bench.txt" \
-    "$PY" -m snack.cli bench --device cuda --sizes 4096x4096 --sparsity 0.9 0.95 0.99 --batch 1 8 32 64 --out "$LAYER_DIR"
+step layer-bench 100 "$OUTDIR/layer_bench.txt" \
+    "$PY" -m snack.cli bench --device cuda --no-progress --sizes 4096x4096 --sparsity 0.9 0.95 0.99 \
+    --batch 1 8 32 64 --out "$LAYER_DIR"
 tar czf "$OUTDIR/layer_bench.tar.gz" -C "$LAYER_DIR" . && rm -rf "$LAYER_DIR"
+
+# bfloat16 gathers half the bytes per non-zero; gets what is left of the 5 minutes.
+step kernel-bench-bf16 $((300 - (SECONDS - START) > 20 ? 300 - (SECONDS - START) : 20)) \
+    "$OUTDIR/kernel_bench_bf16.txt" "$PY" -m snack.backends.triton.kernel_bench --dtype bfloat16 \
+    --batch 1 8 16 32 --train-batch 1 32 --out "$OUTDIR/kernel_bench_bf16.json"
 
 log "done in $((SECONDS - START))s; results in $OUTDIR"
 if [ ${#FAILED[@]} -gt 0 ]; then

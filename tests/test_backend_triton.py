@@ -202,17 +202,66 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
 
     monkeypatch.setattr(kernel_bench, "_us", call_once)
     monkeypatch.setattr(kernel_bench, "_graph_us", graph_call_once)
-    args = kernel_bench.parse_args(["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5"])
+    monkeypatch.setattr(kernel_bench, "_PROFILED_STEPS", 2)
+    args = kernel_bench.parse_args(
+        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5", "--train-batch", "1", "5"]
+    )
     result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
     assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 5]
     assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
-    n_spmm, n_step = len(kernel_bench.SPMM_VARIANTS), len(kernel_bench._STEP_OPS)
+    n_spmm, n_step = len(kernel_bench.SPMM_VARIANTS), len(kernel_bench._STEP_OPS) + len(kernel_bench._WHOLE_STEPS)
     assert len(graph_shapes) == 2 * (n_spmm + n_step)
     assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
     assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
-    assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]  # step at batch 1: spmm, spmm_t
+    # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
+    assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
+    assert graph_shapes[2 * n_spmm + n_step - 2 : 2 * n_spmm + n_step] == [(1, 9), (1, 9)]
+    assert "eager steps at batch 1" in result["train"]["host_profile"]
+    assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
     assert "Training step" in capsys.readouterr().out
     assert json.loads((tmp_path / "r.json").read_text())["train"]["rows"][1]["graph_us"]["sddmm"] == 2.0
+
+
+@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_adds_the_bias(form, case, batch, blocks):
+    topo, x, _, values = _inputs(case, batch)
+    bias = torch.randn(topo.rowptr.numel() - 1, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    got = tb.spmm(x, values, topo, bias, form=form)
+    torch.testing.assert_close(got, reference.spmm(x, values, topo) + bias, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, blocks):
+    topo, x, dy, values = _inputs(case, batch)
+    got = tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad)
+    expected = (reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo))
+    expected += (dy.sum(0),) if bias_grad else ()
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, **TOL[torch.float32])
+
+
+def test_rows_in_column_order_are_cached_and_follow_in_place_changes():
+    topo = _topology("33x17").to(DEVICE)
+    tensors = topo.tensors()
+    (rows,) = tb.derived_tensors(tensors)
+    assert torch.equal(rows, tensors.row[tensors.csc_perm.long()])
+    assert tb.derived_tensors(tensors)[0] is rows  # cached
+    with torch.no_grad():  # what load_state_dict does to a layer's row
+        tensors.row.copy_(tensors.row.flip(0))
+    assert torch.equal(tb.derived_tensors(tensors)[0], tensors.row[tensors.csc_perm.long()])
+    _, _, dy, values = _inputs("33x17", 2)
+    torch.testing.assert_close(tb.spmm_t(dy, values, tensors), reference.spmm_t(dy, values, tensors))
+
+
+@pytest.mark.parametrize("block_b", [1, 2, 4, 8, 16, 32, 64])
+def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
+    kept = tb._tile_configs_for(tb._TILE_CONFIGS, {}, BLOCK_B=block_b)
+    low, high = tb._TILE_ELEMENTS_PER_THREAD
+    assert 1 <= len(kept) <= 8  # a handful of compilations per batch tile
+    assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import weakref
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from snack.backends.derived import derived
 from snack.topology import TopologyTensors
 
 __all__ = ["BuildError", "build", "derived_tensors", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
@@ -107,27 +107,17 @@ def supports(device: torch.device) -> bool:
 
 # Largest in_features whose column indices fit the 16-bit copy that batch-1 forwards read.
 _MAX_U16_COLUMNS = 1 << 16
-# id(col) -> (col._version when copied, the 16-bit copy); an entry is dropped when its col dies
-_U16_COLUMNS: dict[int, tuple[int, Tensor]] = {}
-
-
 def narrow_columns(col: Tensor) -> Tensor:
     """``col`` as unsigned 16-bit values stored in an int16 tensor (``in_features <= 65536``).
 
     A batch-1 forward reads only the weight, so it is bandwidth-bound: 6 bytes per non-zero
-    instead of 8 made it ~13% faster (0.39 -> 0.34 ms at 4096², 90%). The copy is cached per ``col`` tensor (dropped with it, and
-    rebuilt if ``col`` is changed in place, as ``load_state_dict`` does); it costs 2 bytes per
-    non-zero, which ``snack bench`` counts in the layer's memory.
+    instead of 8 made it ~13% faster (0.39 -> 0.34 ms at 4096², 90%). The copy is cached per
+    ``col`` tensor (:func:`snack.backends.derived.derived`: dropped with it, rebuilt if ``col`` is
+    changed in place, as ``load_state_dict`` does); it costs 2 bytes per non-zero, which
+    ``snack bench`` counts in the layer's memory.
     """
-    key = id(col)
-    entry = _U16_COLUMNS.get(key)
-    if entry is None or entry[0] != col._version:
-        if entry is None:
-            weakref.finalize(col, _U16_COLUMNS.pop, key, None)
-        # 32768..65535 stored as their int16 bit patterns; the kernel reads them as uint16
-        entry = (col._version, torch.where(col >= 1 << 15, col - (1 << 16), col).to(torch.int16))
-        _U16_COLUMNS[key] = entry
-    return entry[1]
+    # 32768..65535 stored as their int16 bit patterns; the kernel reads them as uint16
+    return derived("u16_columns", (col,), lambda: torch.where(col >= 1 << 15, col - (1 << 16), col).to(torch.int16))
 
 
 def forward_column_bytes(batch: int, in_features: int) -> int:

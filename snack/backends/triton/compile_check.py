@@ -16,13 +16,12 @@ import argparse
 import os
 import traceback
 
-# (variant name, kernel name, HAS_PERM) — the segment and pointer kernels serve spmm (row walk)
-# and spmm_t (column walk through csc_perm), two compilations each.
+# (variant name, kernel name, HAS_BIAS) — the pointer kernel is compiled with and without the
+# bias epilogue (a layer's forward adds it; the transposed SpMM does not).
 _VARIANTS = [
-    ("segment_spmm[spmm]", "segment_spmm", False),
-    ("segment_spmm[spmm_t]", "segment_spmm", True),
-    ("pointer_spmm[spmm]", "pointer_spmm", False),
-    ("pointer_spmm[spmm_t]", "pointer_spmm", True),
+    ("segment_spmm", "segment_spmm", None),
+    ("pointer_spmm", "pointer_spmm", False),
+    ("pointer_spmm[bias]", "pointer_spmm", True),
     ("sddmm", "sddmm", None),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -41,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dict[str, str], dict[str, object]]:
+def _signature(kernel_name: str, dtype: str, has_bias: bool | None) -> tuple[dict[str, str], dict[str, object]]:
     """Argument types and constexpr values of one kernel variant, as ``ASTSource`` takes them."""
     from snack.backends.triton.backend import FIXED_CONFIGS
 
@@ -49,14 +48,14 @@ def _signature(kernel_name: str, dtype: str, has_perm: bool | None) -> tuple[dic
     config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k != "num_warps"}
     if kernel_name == "segment_spmm":
         pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "seg_index_ptr": "i32",
-                    "gather_index_ptr": "i32", "perm_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
+                    "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
         scalars = ["nnz", "batch", "n_out", "stride_ab", "stride_ai"]
-        constexprs = {"HAS_PERM": has_perm, **config}
+        constexprs = config
     elif kernel_name == "pointer_spmm":
         pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "gather_index_ptr": "i32",
-                    "perm_ptr": "i32", "y_ptr": t}  # fmt: skip
+                    "bias_ptr": t, "y_ptr": t}  # fmt: skip
         scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
-        constexprs = {"HAS_PERM": has_perm, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
+        constexprs = {"HAS_BIAS": has_bias, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     else:
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
         scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
@@ -83,9 +82,9 @@ def compile_kernel(variant: str, dtype: str, arch: int):
     from snack.backends.triton import kernels
     from snack.backends.triton.backend import FIXED_CONFIGS
 
-    _, kernel_name, has_perm = next(v for v in _VARIANTS if v[0] == variant)
+    _, kernel_name, has_bias = next(v for v in _VARIANTS if v[0] == variant)
     fn = kernels.KERNELS[kernel_name]
-    signature, constexprs = _signature(kernel_name, dtype, has_perm)
+    signature, constexprs = _signature(kernel_name, dtype, has_bias)
     options = {"num_warps": FIXED_CONFIGS[kernel_name]["num_warps"]}
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 

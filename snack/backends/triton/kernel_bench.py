@@ -12,9 +12,12 @@ weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096
 Each is timed twice: ``us``, eager calls as a program makes them (host launch overhead
 included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA graph (GPU time).
 
-And, at ``--train-sparsity`` (90%), one training step (forward + backward for input, weight and
-bias) of ``SparseLinear`` against ``nn.Linear``, and the three products of a step (SpMM, transposed
-SpMM, SDDMM against the three dense matmuls) one by one. Times are medians of
+And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
+backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
+from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the
+three dense matmuls) one by one. A profile of the eager step at the smallest batch (where host
+overhead decides) lists where the host time goes, and the configs the autotuner picked are
+recorded. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
 result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
 activations once at the measured device-to-device copy bandwidth: how far a kernel is from its limit.
@@ -32,8 +35,10 @@ import torch
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
-# the products of a training step: snack's three ops, then their dense counterparts
+# the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
+_WHOLE_STEPS = ["snack", "dense"]
+TRAIN_BATCHES = [1, 8, 32]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -43,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", default="4096x4096", help="OUTxIN of the weight (default 4096x4096)")
     parser.add_argument("--sparsity", type=float, default=0.95, help="SpMM sparsity (default 0.95)")
     parser.add_argument("--train-sparsity", type=float, default=0.9, help="training-step sparsity (default 0.9)")
-    parser.add_argument("--batch", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--batch", type=int, nargs="+", default=BATCHES, help="SpMM batches")
+    parser.add_argument("--train-batch", type=int, nargs="+", default=TRAIN_BATCHES, help="training-step batches")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     return parser.parse_args(argv)
 
@@ -52,6 +58,18 @@ def _us(fn) -> float:
     import triton.testing
 
     return 1000.0 * triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def _baseline_us(name: str, fn) -> float | None:
+    """``_us(fn)``, or ``None`` when a baseline library call does not support the case (e.g.
+    cuSPARSE and bfloat16): reported, not fatal."""
+    try:
+        return _us(fn)
+    except RuntimeError as error:
+        if name in ("segment", "pointer", "snack_op"):
+            raise
+        print(f"  ({name} unavailable: {error})", file=sys.stderr)
+        return None
 
 
 def _graph_us(fn) -> float | None:
@@ -129,7 +147,7 @@ def _spmm_rows(args, device, dtype, bandwidth):
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             if errors[name] > tol:
                 raise AssertionError(f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}")
-        times = {name: _us(fn) for name, fn in fns.items()}
+        times = {name: _baseline_us(name, fn) for name, fn in fns.items()}
         moved = topo.nnz * (values.element_size() + 8) + batch * (in_features + out_features) * x.element_size()
         entry = {
             "batch": batch,
@@ -172,23 +190,59 @@ def _train_rows(args, device, dtype):
     values, tensors = sparse.values.detach(), sparse.topology.tensors()
     weight = dense.weight.detach()
     rows, graph_jobs = [], []
-    for batch in args.batch:
+    for batch in args.train_batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(batch, out_features, device=device, dtype=dtype)
         _check_step(sparse, x, grad, dtype)
-        ops = _step_ops(x.detach(), grad, values, tensors, weight)
-
-        def step(layer):
-            def run():
-                layer(x).backward(grad)
-
-            return run
-
-        times = {"snack": _us(step(sparse)), "dense": _us(step(dense))}
+        steps = {"snack": _step(sparse, x, grad), "dense": _step(dense, x, grad)}
+        times = {name: _us(fn) for name, fn in steps.items()}
         entry = {"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]}
         rows.append(entry)
-        graph_jobs.append((entry, ops))
-    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows}, graph_jobs
+        graph_jobs.append((entry, {**_step_ops(x.detach(), grad, values, tensors, weight), **steps}))
+    smallest = min(args.train_batch)
+    x = torch.randn(smallest, in_features, device=device, dtype=dtype, requires_grad=True)
+    step = _step(sparse, x, torch.randn(smallest, out_features, device=device, dtype=dtype))
+    profile = f"{_PROFILED_STEPS} eager steps at batch {smallest}\n" + _host_profile(step, device)
+    return {"size": args.size, "sparsity": args.train_sparsity, "rows": rows, "host_profile": profile}, graph_jobs
+
+
+def _step(layer, x, grad):
+    """One training step of ``layer`` (forward, backward into ``x`` and the parameters) as a
+    function returning its output, so that a CUDA-graph pass can check what it ran."""
+
+    def run():
+        y = layer(x)
+        y.backward(grad)
+        return y
+
+    return run
+
+
+_PROFILED_STEPS = 200
+
+
+def _host_profile(step, device, lines: int = 25) -> str:
+    """The top ``lines`` functions by cumulative host time over ``_PROFILED_STEPS`` eager calls of
+    ``step`` (cProfile), as text."""
+    import cProfile
+    import io
+    import pstats
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()
+    synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(_PROFILED_STEPS):
+        step()
+    synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(lines)
+    return text.getvalue()
 
 
 def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | None = None) -> dict:
@@ -214,6 +268,7 @@ def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | 
         "default_backend": default_backend_name(device.type),
         "spmm": spmm,
         "train": train,
+        "autotuned": _autotuned_configs(),
     }
     _write_json(args.out, result)
     if device.type == "cuda" if graphs is None else graphs:
@@ -221,6 +276,17 @@ def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | 
             entry["graph_us"] = {name: _graph_us(fn) for name, fn in fns.items()}
         _write_json(args.out, result)
     return result
+
+
+def _autotuned_configs() -> dict[str, dict[str, str]]:
+    """kernel → {autotune key: the config it picked}; empty without autotuning."""
+    from snack.backends.triton import backend as tb
+
+    return {
+        name: {str(key): str(config) for key, config in tuned.cache.items()}
+        for name, tuned in tb._TUNED.items()
+        if tuned is not None
+    }
 
 
 def _write_json(path: str, result: dict) -> None:
@@ -237,11 +303,12 @@ def print_tables(result: dict) -> None:
     for row in spmm["rows"]:
         t = row["us"]
         best = min(t["segment"], t["pointer"])
-        cells = " ".join(f"{t[v]:10.1f}" for v in SPMM_VARIANTS)
-        print(
-            f"{row['batch']:>3} {row['heuristic_form']:>8} {cells} {row['bw_limit_us']:7.1f} "
-            f"{t['dense_mask'] / best:8.2f} {t['csr'] / best:7.2f} {t['dense'] / best:8.2f}"
+        cells = " ".join(_cell(t[v], 10) for v in SPMM_VARIANTS)
+        ratios = " ".join(
+            f"{t[v] / best:{w}.2f}" if t[v] is not None else f"{'-':>{w}}"
+            for v, w in (("dense_mask", 8), ("csr", 7), ("dense", 8))
         )
+        print(f"{row['batch']:>3} {row['heuristic_form']:>8} {cells} {row['bw_limit_us']:7.1f} {ratios}")
     print("\nSame, replayed from a CUDA graph (GPU time, no launch overhead; '-' = not capturable)")
     print(f"{'B':>3} {'':>8} " + " ".join(f"{v:>10}" for v in SPMM_VARIANTS) + f" {'mask/sn':>8} {'csr/sn':>7}")
     for row in spmm["rows"]:
@@ -255,20 +322,31 @@ def print_tables(result: dict) -> None:
         print(f"{row['batch']:>3} {'':>8} {cells} {' '.join(ratios)}")
     train = result["train"]
     print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs:")
-    print("eager step of the layer, then its three products one by one from CUDA graphs")
-    print(f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} " + " ".join(f"{op:>9}" for op in _STEP_OPS) + " speedup")
+    print("eager step of the layer; the step replayed from a CUDA graph; its three products one by one from CUDA graphs")
+    head = f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} {'snack_g':>9} {'linear_g':>9} {'speedup':>8} "
+    print(head + " ".join(f"{op:>9}" for op in _STEP_OPS) + " speedup")
     for row in train["rows"]:
         g = row.get("graph_us", {})
-        cells = " ".join(f"{g[op]:9.1f}" if g.get(op) is not None else f"{'-':>9}" for op in _STEP_OPS)
         products = [g.get(op) for op in _STEP_OPS]
-        if None in products:
-            ops_speedup = "-"
-        else:
-            ops_speedup = f"{sum(products[3:]) / sum(products[:3]):.2f}"
+        ops_speedup = "-" if None in products else f"{sum(products[3:]) / sum(products[:3]):.2f}"
+        steps = [g.get(name) for name in _WHOLE_STEPS]
+        step_speedup = "-" if None in steps else f"{steps[1] / steps[0]:.2f}"
         print(
             f"{row['batch']:>3} {row['us']['snack']:9.1f} {row['us']['dense']:9.1f} {row['speedup_vs_dense']:8.2f} "
-            f"{cells} {ops_speedup:>7}"
+            f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
+            f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
+    print(f"\nHost profile of the eager snack step ({train['host_profile'].splitlines()[0]}):")
+    print("\n".join(train["host_profile"].splitlines()[1:]))
+    if result.get("autotuned"):
+        print("Autotuned configs:")
+        for name, picks in result["autotuned"].items():
+            for key, config in picks.items():
+                print(f"  {name} {key}: {config}")
+
+
+def _cell(value: float | None, width: int) -> str:
+    return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 
 Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one
 output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
-(``dX = dY·W``, walked in column order through ``csc_perm``). Every kernel multiplies and
+(``dX = dY·W``, which the host hands over in column order: ``values``, ``row`` and ``col`` gathered
+through ``csc_perm``, so every kernel reads its operands sequentially). Every kernel multiplies and
 accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
@@ -49,14 +50,12 @@ def segment_spmm_kernel(
     seg_ptr_ptr,  # (n_out + 1,) int32 pointer of the segment index (rowptr or colptr)
     seg_index_ptr,  # (nnz,) int32 segment (output) index of each non-zero (row or col)
     gather_index_ptr,  # (nnz,) int32 input index of each non-zero (col or row)
-    perm_ptr,  # (nnz,) int32 order in which to visit the non-zeros (csc_perm); unused unless HAS_PERM
     y_ptr,  # (B, n_out) float32, zero-filled: accumulated with atomics
     nnz,
     batch,
     n_out,
     stride_ab,
     stride_ai,
-    HAS_PERM: tl.constexpr,
     BLOCK_NNZ: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # read by the host's grid only: axis 1 = cdiv(B, ROWS_PER_PROGRAM)
 ):
@@ -68,13 +67,9 @@ def segment_spmm_kernel(
     lane = tl.arange(0, BLOCK_NNZ)
     offs = tl.program_id(0) * BLOCK_NNZ + lane
     mask = offs < nnz
-    if HAS_PERM:
-        pos = tl.load(perm_ptr + offs, mask=mask, other=0)
-    else:
-        pos = offs
-    seg = tl.load(seg_index_ptr + pos, mask=mask, other=0)
-    gather = tl.load(gather_index_ptr + pos, mask=mask, other=0).to(tl.int64)
-    value = tl.load(values_ptr + pos, mask=mask, other=0.0).to(tl.float32)
+    seg = tl.load(seg_index_ptr + offs, mask=mask, other=0)
+    gather = tl.load(gather_index_ptr + offs, mask=mask, other=0).to(tl.int64)
+    value = tl.load(values_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # Run boundaries from the pointer array (no neighbour loads): a non-zero starts a run when it is
     # its segment's first (or the block's first) and ends one when it is its segment's last (or the
     # block's last). Masked lanes end no run.
@@ -92,17 +87,13 @@ def segment_spmm_kernel(
 
 
 @triton.jit
-def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b, stride_ai,
-                   HAS_PERM: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # acc[b, j] += a[b, gather[k_j]] · values[k_j] for the positions k0 + j < end of a segment.
+def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc[b, j] += a[b, gather[k_j]] · values[k_j] for the positions k_j = k0 + j < end of a segment.
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < end
-    if HAS_PERM:
-        pos = tl.load(perm_ptr + offs_k, mask=mask_k, other=0)
-    else:
-        pos = offs_k
-    gather = tl.load(gather_index_ptr + pos, mask=mask_k, other=0).to(tl.int64)
-    value = tl.load(values_ptr + pos, mask=mask_k, other=0.0).to(tl.float32)
+    gather = tl.load(gather_index_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    value = tl.load(values_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + row_b[:, None] + gather[None, :] * stride_ai, mask=mask_b[:, None] & mask_k[None, :], other=0.0)
     return acc + a.to(tl.float32) * value[None, :]
 
@@ -113,20 +104,21 @@ def pointer_spmm_kernel(
     values_ptr,  # (nnz,)
     seg_ptr_ptr,  # (n_out + 1,) int32 pointer: segment s owns positions [ptr[s], ptr[s+1])
     gather_index_ptr,  # (nnz,) int32 input index of each non-zero
-    perm_ptr,  # (nnz,) int32 positions → non-zero (csc_perm); unused unless HAS_PERM
+    bias_ptr,  # (n_out,) added to every output row; unused unless HAS_BIAS
     y_ptr,  # (B, n_out) output written at [b, s] through (stride_yb, stride_ys)
     batch,
     stride_ab,
     stride_ai,
     stride_yb,
     stride_ys,
-    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``y[b, s] = Σ_{p in segment s} values[k_p] · a[b, gather[k_p]]`` for segment
-    ``program_id(0)`` and the batch tile ``program_id(1)``; ``k_p = perm[p]`` if HAS_PERM else ``p``.
+    """``y[b, s] = Σ_{k in segment s} values[k] · a[b, gather[k]] (+ bias[s])`` for segment
+    ``program_id(0)`` and the batch tile ``program_id(1)``. The bias is added to the float32 sum
+    (one rounding to the output dtype, and no second pass over ``y``).
 
     ``WHILE_LOOP`` walks the segment with a while loop, for Triton 3.6's interpreter, which cannot
     iterate ``range()`` over runtime bounds (its scalars are 1-element arrays that NumPy >= 2.4
@@ -143,14 +135,16 @@ def pointer_spmm_kernel(
     if WHILE_LOOP:
         k0 = start
         while k0 < end:
-            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
-                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
+                                 BLOCK_K)  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in range(start, end, BLOCK_K):
-            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, perm_ptr, row_b, mask_b,
-                                 stride_ai, HAS_PERM, BLOCK_K)  # fmt: skip
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
+                                 BLOCK_K)  # fmt: skip
     y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + seg).to(tl.float32)
     y_addr = y_ptr + offs_b.to(tl.int64) * stride_yb + seg.to(tl.int64) * stride_ys
     tl.store(y_addr, y.to(y_ptr.dtype.element_ty), mask=mask_b)
 

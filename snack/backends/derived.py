@@ -1,0 +1,37 @@
+"""A cache for tensors a backend derives from a topology (a narrower copy of the column indices,
+the row indices in column order, ...), shared by the backends.
+
+An entry is keyed by the identity of the tensors it was built from and remembers their version
+counters: it is rebuilt when any of them is changed in place (``load_state_dict`` copies into
+``row``/``col``), and dropped when any of them is freed (so a new tensor that reuses a freed
+one's ``id`` never finds a stale entry). Inference tensors have no version
+counter, so nothing derived from them is cached (the value is rebuilt on every call).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from torch import Tensor
+
+__all__ = ["derived"]
+
+# (name, ids of the sources) -> (their versions when built, the derived tensor)
+_CACHE: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
+
+
+def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor]) -> Tensor:
+    """``build()``, cached under ``name`` for these exact ``sources`` at their current versions."""
+    if any(t.is_inference() for t in sources):
+        return build()
+    key = (name, *map(id, sources))
+    versions = tuple(t._version for t in sources)
+    entry = _CACHE.get(key)
+    if entry is None:
+        for source in sources:
+            weakref.finalize(source, _CACHE.pop, key, None)
+    if entry is None or entry[0] != versions:
+        entry = (versions, build())
+        _CACHE[key] = entry
+    return entry[1]
