@@ -124,6 +124,12 @@ def _spmm_backward_kernel(
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
     _check("spmm_t", dy, values, topo)
     _check("sddmm", dy, x, topo)
+    return _backward_kernels(dy, x, values, topo, bias_grad=bias_grad)
+
+
+def _backward_kernels(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool) -> tuple[Tensor, ...]:
+    """:func:`_spmm_backward_kernel` on inputs already checked (the eager layer's backward: its
+    forward checked them, and every check is host time the step pays again)."""
     backend = backends.resolve(dy.device)
     dy, x, values = dy.contiguous(), x.contiguous(), values.contiguous()
     fused = getattr(backend, "spmm_backward", None)
@@ -287,7 +293,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         if need_x and need_values and need_bias and not torch.is_grad_enabled():
             # a training step's backward: all three gradients from one pass over the weight
-            return (*_spmm_backward_kernel(grad, x, values, *ctx.topo, bias_grad=True), None)
+            return (*_backward_kernels(grad, x, values, ctx.topo, bias_grad=True), None)
         dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
         return dx, dvalues, grad.sum(0) if need_bias else None, None
 

@@ -25,6 +25,7 @@ if DEVICE == "cpu":
 import snack  # noqa: E402
 from snack import backends  # noqa: E402
 from snack.backends import reference  # noqa: E402
+from snack.backends import triton as triton_package  # noqa: E402
 from snack.backends.triton import backend as tb  # noqa: E402
 from snack.topology import Topology, random_coo  # noqa: E402
 
@@ -159,12 +160,32 @@ def test_supports_this_device():
 def test_use_backend_routes_the_custom_ops_to_triton(monkeypatch):
     calls = []
     real_spmm = tb.spmm
-    monkeypatch.setattr(tb, "spmm", lambda *args, **kwargs: calls.append(1) or real_spmm(*args, **kwargs))
+    # the registered backend is the package, which binds the backend module's functions
+    monkeypatch.setattr(triton_package, "spmm", lambda *args, **kwargs: calls.append(1) or real_spmm(*args, **kwargs))
     topo, x, _, values = _inputs("33x17", 3)
     with snack.use_backend("triton"):
         y = torch.ops.snack.spmm(x, values, *topo)
     assert calls == [1]
     torch.testing.assert_close(y, reference.spmm(x, values, topo))
+
+
+def test_the_backend_offers_the_whole_protocol():
+    """The optional parts too: without them a training step would silently fall back to separate
+    kernels (spmm_backward), and the benchmark would leave cached tensors out of the memory."""
+    backend = backends.get_backend("triton")
+    for name in ("spmm", "spmm_t", "sddmm", "spmm_backward", "derived_tensors"):
+        assert getattr(backend, name) is getattr(tb, name)
+
+
+def test_a_training_step_runs_the_fused_backward(monkeypatch):
+    calls = []
+    real = tb.spmm_backward
+    monkeypatch.setattr(triton_package, "spmm_backward", lambda *a, **k: calls.append(k) or real(*a, **k))
+    layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
+    x = torch.randn(4, 17, device=DEVICE, requires_grad=True)
+    with snack.use_backend("triton"):
+        layer(x).sum().backward()
+    assert calls == [{"bias_grad": True}]
 
 
 @pytest.mark.parametrize("input_shape", [(5, 17), (2, 3, 17), (1, 17)])
@@ -265,3 +286,34 @@ def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
     low, high = tb._TILE_ELEMENTS_PER_THREAD
     assert 1 <= len(kept) <= 8  # a handful of compilations per batch tile
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
+
+
+def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatch):
+    """On a GPU, only a key's first launch goes through the autotuner (its per-call key building
+    costs as much host time as the launch); later ones reuse the config it picked."""
+    calls = []
+
+    class FakeAutotuner:
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("autotuner", kwargs["BLOCK_B"]))
+                FakeAutotuner.best_config = type("Config", (), {"all_kwargs": lambda self: {"BLOCK_K": 32, "num_warps": 2}})()
+
+            return run
+
+    class FakeKernel:
+        arg_names = tb.kernels.pointer_spmm_kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("kernel", kwargs["BLOCK_B"], kwargs["BLOCK_K"], kwargs["num_warps"]))
+
+    monkeypatch.setitem(tb._TUNED, "pointer_spmm", FakeAutotuner())
+    monkeypatch.setitem(tb.kernels.KERNELS, "pointer_spmm", FakeKernel())
+    monkeypatch.setattr(tb, "_PICKED", {})
+    x = torch.zeros(2, 3)
+    for block_b in (1, 1, 2, 1):
+        tb._launch("pointer_spmm", (1, 1), x, HAS_BIAS=False, WHILE_LOOP=False, BLOCK_B=block_b)
+    tb._launch("pointer_spmm", (1, 1), x.double(), HAS_BIAS=False, WHILE_LOOP=False, BLOCK_B=1)  # new dtype: new key
+    assert calls == [("autotuner", 1), ("kernel", 1, 32, 2), ("autotuner", 2), ("kernel", 1, 32, 2), ("autotuner", 1)]

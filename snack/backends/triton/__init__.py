@@ -14,9 +14,10 @@ import importlib.util
 
 import torch
 
-__all__ = ["sddmm", "spmm", "spmm_t", "supports"]
+__all__ = ["derived_tensors", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
 
-_OPS = ("sddmm", "spmm", "spmm_t")
+# what the package forwards from the backend module (the backend protocol of snack.backends)
+_OPS = ("derived_tensors", "sddmm", "spmm", "spmm_backward", "spmm_t")
 
 
 def supports(device: torch.device) -> bool:
@@ -36,5 +37,8 @@ def _backend():
 
 def __getattr__(name: str):
     if name in _OPS:
-        return getattr(_backend(), name)
+        # bound once: this runs only for names not yet in the module's globals, and every op call
+        # looks its function up here (an import_module per lookup cost ~3 µs)
+        value = globals()[name] = getattr(_backend(), name)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

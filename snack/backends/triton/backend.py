@@ -108,7 +108,7 @@ def _sm_count(device: torch.device) -> int:
 def spmm_form(batch: int, n_out: int, device: torch.device | str = "cuda") -> str:
     """``"segment"`` or ``"pointer"``: the SpMM form the heuristic picks for ``batch`` rows into
     ``n_out`` outputs on ``device`` (module docstring, *Which SpMM form runs*)."""
-    programs = n_out * triton.cdiv(max(batch, 1), _block_b(max(batch, 1)))
+    programs = n_out * _cdiv(max(batch, 1), _block_b(max(batch, 1)))
     return "segment" if programs < MIN_POINTER_PROGRAMS_PER_SM * _sm_count(torch.device(device)) else "pointer"
 
 
@@ -159,13 +159,30 @@ _TUNED = {
 }
 
 
+_AUTOTUNE_KEYS = {"segment_spmm": ("batch",), "pointer_spmm": ("BLOCK_B", "HAS_BIAS"), "sddmm": ("BLOCK_B",)}
+# (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
+# Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
+# the H200 machine against 17 µs for calling the kernel itself. So only a key's first call goes
+# through the autotuner; later ones launch the kernel directly with the picked config.
+_PICKED: dict[tuple, dict] = {}
+
+
 def _launch(name: str, grid, *args, **constexprs) -> None:
-    """Run kernel ``name`` with the autotuned configs, else with ``FIXED_CONFIGS[name]``."""
-    tuned = _TUNED[name]
-    if tuned is not None:
+    """Run kernel ``name`` with its autotuned config, else with ``FIXED_CONFIGS[name]``."""
+    kernel, tuned = kernels.KERNELS[name], _TUNED[name]
+    if tuned is None:
+        kernel[grid](*args, **constexprs, **FIXED_CONFIGS[name])
+        return
+    # the autotuner's key: the key arguments' values and the tensors' dtypes (the first tensor's
+    # fixes them all: the others share it or are int32 indices)
+    key_values = tuple(constexprs[k] if k in constexprs else args[kernel.arg_names.index(k)] for k in _AUTOTUNE_KEYS[name])
+    key = (name, key_values, args[0].dtype)
+    config = _PICKED.get(key)
+    if config is None:
         tuned[grid](*args, **constexprs)
+        _PICKED[key] = tuned.best_config.all_kwargs()
     else:
-        kernels.KERNELS[name][grid](*args, **constexprs, **FIXED_CONFIGS[name])
+        kernel[grid](*args, **constexprs, **config)
 
 
 # ---------------------------------------------------------------- ops
@@ -177,8 +194,13 @@ def _check_dtype(op: str, *tensors: Tensor) -> None:
             raise TypeError(f"snack triton backend: {op} supports float32, float16 and bfloat16, got {t.dtype}")
 
 
+def _cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv and triton.next_power_of_2 are ConstexprFunctions, ~2 µs per host call
+    return -(-a // b)
+
+
 def _block_b(batch: int) -> int:
-    return min(triton.next_power_of_2(batch), MAX_BLOCK_B)
+    return min(1 << (batch - 1).bit_length(), MAX_BLOCK_B)
 
 
 def _batch_contiguous(a: Tensor) -> tuple[Tensor, int, int]:
@@ -213,8 +235,8 @@ def _segment_spmm(
     y = torch.zeros(batch, n_out, device=a.device, dtype=torch.float32)
     if nnz > 0 and batch > 0:
         grid = lambda meta: (  # noqa: E731
-            triton.cdiv(nnz, meta["BLOCK_NNZ"]),
-            min(triton.cdiv(batch, meta["ROWS_PER_PROGRAM"]), _SEGMENT_MAX_GRID_1),
+            _cdiv(nnz, meta["BLOCK_NNZ"]),
+            min(_cdiv(batch, meta["ROWS_PER_PROGRAM"]), _SEGMENT_MAX_GRID_1),
         )
         _launch(
             "segment_spmm", grid,
@@ -232,7 +254,7 @@ def _pointer_spmm(
     y = torch.empty(batch, n_out, device=a_storage.device, dtype=a_storage.dtype)
     if batch > 0 and n_out > 0:
         block_b = _block_b(batch)
-        grid = (n_out, triton.cdiv(batch, block_b))
+        grid = (n_out, _cdiv(batch, block_b))
         if grid[1] > _MAX_GRID_1:
             raise ValueError(f"snack triton backend: batch {batch} exceeds {_MAX_GRID_1 * block_b} rows per call")
         _launch(
@@ -298,7 +320,7 @@ def _sddmm(dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int]
     if batch == 0 or nnz == 0:
         return dy_storage.new_zeros(nnz)
     out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
-    grid = lambda meta: (triton.cdiv(nnz, meta["BLOCK_K"]),)  # noqa: E731
+    grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]),)  # noqa: E731
     _launch(
         "sddmm", grid,
         dy_storage, x_storage, topo.row, topo.col, out, nnz, batch, stride_db, stride_dr, stride_xb, stride_xc,

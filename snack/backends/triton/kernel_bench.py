@@ -196,6 +196,10 @@ def _train_rows(args, device, dtype):
         _check_step(sparse, x, grad, dtype)
         steps = {"snack": _step(sparse, x, grad), "dense": _step(dense, x, grad)}
         times = {name: _us(fn) for name, fn in steps.items()}
+        # PyTorch runs a CUDA backward on a worker thread; there the Python of snack's backward ran
+        # 2x slower on the H200 machine (cold core), so the step is also timed without it
+        with torch.autograd.set_multithreading_enabled(False):
+            times.update({f"{name}_calling_thread": _us(fn) for name, fn in steps.items()})
         entry = {"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]}
         rows.append(entry)
         graph_jobs.append((entry, {**_step_ops(x.detach(), grad, values, tensors, weight), **steps}))
@@ -207,12 +211,15 @@ def _train_rows(args, device, dtype):
 
 
 def _step(layer, x, grad):
-    """One training step of ``layer`` (forward, backward into ``x`` and the parameters) as a
-    function returning its output, so that a CUDA-graph pass can check what it ran."""
+    """One training step of ``layer``: forward, then the gradients of ``x`` and every parameter,
+    fresh (as after ``optimizer.zero_grad()``, PyTorch's default ``set_to_none``: nothing is
+    accumulated into an existing ``.grad``, which would cost the dense layer a 64 MiB
+    read-modify-write). A function returning the output, so a CUDA-graph pass can check it."""
+    inputs = [x, *layer.parameters()]
 
     def run():
         y = layer(x)
-        y.backward(grad)
+        torch.autograd.grad(y, inputs, grad)
         return y
 
     return run
@@ -322,8 +329,14 @@ def print_tables(result: dict) -> None:
         print(f"{row['batch']:>3} {'':>8} {cells} {' '.join(ratios)}")
     train = result["train"]
     print(f"\nTraining step (fwd + bwd) {train['size']} at sparsity {train['sparsity']}, median µs:")
-    print("eager step of the layer; the step replayed from a CUDA graph; its three products one by one from CUDA graphs")
-    head = f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} {'snack_g':>9} {'linear_g':>9} {'speedup':>8} "
+    print(
+        "eager step of the layer (backward on autograd's worker thread, then on the calling thread: *_1t);\n"
+        "the step replayed from a CUDA graph (*_g); its three products one by one from CUDA graphs"
+    )
+    head = (
+        f"{'B':>3} {'snack':>9} {'nn.Linear':>9} {'speedup':>8} {'snack_1t':>9} {'linear_1t':>9} {'speedup':>8} "
+        f"{'snack_g':>9} {'linear_g':>9} {'speedup':>8} "
+    )
     print(head + " ".join(f"{op:>9}" for op in _STEP_OPS) + " speedup")
     for row in train["rows"]:
         g = row.get("graph_us", {})
@@ -331,8 +344,11 @@ def print_tables(result: dict) -> None:
         ops_speedup = "-" if None in products else f"{sum(products[3:]) / sum(products[:3]):.2f}"
         steps = [g.get(name) for name in _WHOLE_STEPS]
         step_speedup = "-" if None in steps else f"{steps[1] / steps[0]:.2f}"
+        us = row["us"]
         print(
-            f"{row['batch']:>3} {row['us']['snack']:9.1f} {row['us']['dense']:9.1f} {row['speedup_vs_dense']:8.2f} "
+            f"{row['batch']:>3} {us['snack']:9.1f} {us['dense']:9.1f} {row['speedup_vs_dense']:8.2f} "
+            f"{us['snack_calling_thread']:9.1f} {us['dense_calling_thread']:9.1f} "
+            f"{us['dense_calling_thread'] / us['snack_calling_thread']:8.2f} "
             f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
