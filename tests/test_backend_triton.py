@@ -284,7 +284,7 @@ def test_rows_in_column_order_are_cached_and_follow_in_place_changes():
 def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
     kept = tb._tile_configs_for(tb._TILE_CONFIGS, {}, BLOCK_B=block_b)
     low, high = tb._TILE_ELEMENTS_PER_THREAD
-    assert 1 <= len(kept) <= 8  # a handful of compilations per batch tile
+    assert 1 <= len(kept) <= 16  # a first call per batch tile compiles each: seconds, not minutes
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
 
 
