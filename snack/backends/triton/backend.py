@@ -215,13 +215,13 @@ def _batch_contiguous(a: Tensor) -> tuple[Tensor, int, int]:
 
 def _rows_in_column_order(topo: TopologyTensors) -> Tensor:
     """``row[csc_perm]`` ``(nnz,)`` int32, cached per topology (module docstring)."""
-    return derived("triton_rows_by_column", (topo.row, topo.csc_perm), lambda: topo.row[topo.csc_perm.long()])
+    return derived("triton_rows_by_column", (topo.row, topo.csc_perm), lambda: topo.row.index_select(0, topo.csc_perm))
 
 
 def _cols_in_column_order(topo: TopologyTensors) -> Tensor:
     """``col[csc_perm]`` ``(nnz,)`` int32 (sorted), cached per topology: only the segment form
     of the transposed SpMM reads it."""
-    return derived("triton_cols_by_column", (topo.col, topo.csc_perm), lambda: topo.col[topo.csc_perm.long()])
+    return derived("triton_cols_by_column", (topo.col, topo.csc_perm), lambda: topo.col.index_select(0, topo.csc_perm))
 
 
 def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
@@ -294,7 +294,11 @@ def spmm(
     return y if bias is None else y.add_(bias)
 
 
-def _spmm_t(dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None):
+def _spmm_t(
+    dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None
+) -> Tensor:
+    """:func:`spmm_t` with ``dy`` also given as :func:`_batch_contiguous` laid it out (what the
+    pointer form reads; the segment form reads ``dy`` itself)."""
     n_in = topo.colptr.numel() - 1
     form = form or spmm_form(dy.shape[0], n_in, dy.device)
     _check_form(form)

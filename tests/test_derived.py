@@ -1,0 +1,44 @@
+"""The cache of tensors that backends derive from a topology (snack.backends.derived)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from snack.backends import derived as derived_module
+from snack.backends.derived import derived
+
+
+def test_built_once_per_sources_and_rebuilt_after_an_in_place_change():
+    a, b = torch.arange(5), torch.arange(5) * 2
+    builds = []
+
+    def build():
+        builds.append(1)
+        return a + b
+
+    first = derived("sum", (a, b), build)
+    assert derived("sum", (a, b), build) is first and len(builds) == 1
+    b.add_(1)  # any source's version counter moves: rebuilt
+    assert torch.equal(derived("sum", (a, b), build), a + b) and len(builds) == 2
+    assert derived("other", (a, b), lambda: a) is not first  # names keep entries apart
+
+
+def test_entry_dropped_when_a_source_is_freed():
+    a, b = torch.arange(3), torch.arange(3)
+    derived("pair", (a, b), lambda: a + b)
+    key = ("pair", id(a), id(b))
+    assert key in derived_module._CACHE
+    del b
+    gc.collect()
+    assert key not in derived_module._CACHE
+
+
+def test_inference_tensors_are_not_cached():
+    with torch.inference_mode():
+        a = torch.arange(4)
+    builds = []
+    for _ in range(2):
+        derived("inference", (a,), lambda: builds.append(1) or a * 2)
+    assert len(builds) == 2
