@@ -387,6 +387,11 @@ inline auto lane_sum(V v) {
   }
 }
 
+// How far ahead row_dot prefetches its value and column streams. The batch-1 forward streams
+// them from L3; the hardware prefetcher alone left it at ~30 GB/s on two cores. 2 KiB ahead
+// measured ~11% faster (0.35 -> 0.31 ms at 4096², 90%; 1 and 4 KiB gained less, 512 B nothing).
+constexpr int64_t kStreamPrefetchBytes = 2048;
+
 // Σ_k values[k] · x[col[k]] over k in [begin, end): one row of a sparse matrix-vector product.
 // col_t is int32 or uint16 (the 16-bit copy of the columns that spmv_u16 reads: 6 instead of 8
 // bytes per non-zero, and this loop is bandwidth-bound). Sixteen (AVX-512) or eight (AVX2)
@@ -400,6 +405,8 @@ acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* valu
 #if defined(__AVX512F__)
     __m512 a = _mm512_setzero_ps();
     for (; k < end; k += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(values + k) + kStreamPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(col + k) + kStreamPrefetchBytes, _MM_HINT_T0);
       // the row's last < 16 non-zeros through masked loads: one more iteration, not a scalar tail
       const __mmask16 m = end - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - k)) - 1);
       __m512i c;
