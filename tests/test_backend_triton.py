@@ -127,8 +127,9 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         got = tb.spmm(x, values, topo, form=form)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), reference.spmm(x32, values32, topo), **TOL[dtype])
-        got = tb.spmm_t(dy, values, topo, form=form)
-        torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
+        for value_read in tb.VALUE_READS:
+            got = tb.spmm_t(dy, values, topo, form=form, value_read=value_read)
+            torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
     got = tb.sddmm(dy, x, topo)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
@@ -232,13 +233,14 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
-    n_spmm, n_step = len(kernel_bench.SPMM_VARIANTS), len(kernel_bench._STEP_OPS) + len(kernel_bench._WHOLE_STEPS)
+    n_spmm = len(kernel_bench.SPMM_VARIANTS)
+    n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VALUE_READ_OPS) + len(kernel_bench._WHOLE_STEPS)
     assert len(graph_shapes) == 2 * (n_spmm + n_step)
     assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
     assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
-    assert graph_shapes[2 * n_spmm + n_step - 2 : 2 * n_spmm + n_step] == [(1, 9), (1, 9)]
+    assert graph_shapes[2 * n_spmm + n_step - 4 : 2 * n_spmm + n_step] == [(1, 20), (1, 20), (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -313,7 +315,72 @@ def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatc
     monkeypatch.setitem(tb.kernels.KERNELS, "pointer_spmm", FakeKernel())
     monkeypatch.setattr(tb, "_PICKED", {})
     x = torch.zeros(2, 3)
+    flags = dict(HAS_BIAS=False, INDIRECT_VALUES=False, WHILE_LOOP=False)
     for block_b in (1, 1, 2, 1):
-        tb._launch("pointer_spmm", (1, 1), x, HAS_BIAS=False, WHILE_LOOP=False, BLOCK_B=block_b)
-    tb._launch("pointer_spmm", (1, 1), x.double(), HAS_BIAS=False, WHILE_LOOP=False, BLOCK_B=1)  # new dtype: new key
-    assert calls == [("autotuner", 1), ("kernel", 1, 32, 2), ("autotuner", 2), ("kernel", 1, 32, 2), ("autotuner", 1)]
+        tb._launch("pointer_spmm", (1, 1), x, **flags, BLOCK_B=block_b)
+    tb._launch("pointer_spmm", (1, 1), x.double(), **flags, BLOCK_B=1)  # new dtype: new key
+    tb._launch("pointer_spmm", (1, 1), x, **{**flags, "INDIRECT_VALUES": True}, BLOCK_B=1)  # another kernel variant
+    assert calls == [
+        ("autotuner", 1), ("kernel", 1, 32, 2), ("autotuner", 2), ("kernel", 1, 32, 2), ("autotuner", 1), ("autotuner", 1)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("value_read", tb.VALUE_READS)
+@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_t_reads_values_either_way(value_read, form, case, batch, blocks):
+    topo, _, dy, values = _inputs(case, batch)
+    got = tb.spmm_t(dy, values, topo, form=form, value_read=value_read)
+    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo), **TOL[torch.float32])
+
+
+def test_spmm_t_rejects_an_unknown_value_read():
+    topo, _, dy, values = _inputs("5x7", 2)
+    with pytest.raises(ValueError, match="value_read must be one of"):
+        tb.spmm_t(dy, values, topo, value_read="scattered")
+
+
+def test_value_read_is_timed_once_per_key_and_the_faster_kept(monkeypatch):
+    """On a GPU the first transposed SpMM of a (form, batch tile, dtype) times both value reads,
+    each computing the product, and later calls reuse the faster; without autotuning, for an
+    empty product, or while a CUDA graph is being captured, the fixed read runs untimed."""
+    import triton.testing
+
+    timed = []
+    fake_times = {"gathered": 2.0, "indirect": 3.0}
+
+    def fake_do_bench(fn, **kwargs):
+        read = "gathered" if len(timed) % 2 == 0 else "indirect"  # VALUE_READS order
+        timed.append(tuple(fn().shape))
+        return fake_times[read]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(tb, "_PICKED", {})
+    topo, _, dy, values = _inputs("33x17", 3)
+    expected = reference.spmm_t(dy, values, topo)
+    assert tb._value_read("pointer", dy, values, lambda read: expected) == tb.FIXED_VALUE_READ  # not autotuning
+    assert timed == []
+    monkeypatch.setattr(tb, "AUTOTUNE", True)
+    runs = []
+
+    def run(read):
+        runs.append(read)
+        return tb.spmm_t(dy, values, topo, form="pointer", value_read=read)
+
+    assert tb._value_read("pointer", dy, values, run) == "gathered"
+    assert runs == list(tb.VALUE_READS) and timed == [(3, 17), (3, 17)]
+    assert tb._value_read("pointer", dy, values, run) == "gathered"  # cached: no more timing
+    assert len(timed) == 2
+    fake_times["gathered"] = 9.0  # a new dtype is a new key
+    assert tb._value_read("pointer", dy.double(), values.double(), run) == "indirect"
+    assert tb._value_read("pointer", dy[:0], values, run) == tb.FIXED_VALUE_READ
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tb._value_read("segment", dy, values, run) == tb.FIXED_VALUE_READ
+    assert len(timed) == 4
+    # and the picked read is what spmm_t runs
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    used = []
+    monkeypatch.setattr(tb, "_pointer_spmm", lambda *a, value_index=None, **k: used.append(value_index) or expected)
+    tb.spmm_t(dy, values, topo, form="pointer")
+    assert used == [None]  # "gathered" was picked for float32 at this batch tile: values come pre-gathered

@@ -19,10 +19,18 @@ Which SpMM form runs (:func:`spmm_form`)
 The transposed SpMM reads column-ordered copies
     ``dX = dY·W`` walks ``W`` by column. The kernels read the row (and, for the segment form, the
     column) indices in column order from copies cached per topology (``row[csc_perm]``, 4 bytes
-    per non-zero, :func:`derived_tensors`), and the values from ``values[csc_perm]``, gathered
-    once per call because the values change every optimizer step. The first H200 run read all
-    three through ``csc_perm`` inside the kernel: a chain of three dependent loads per non-zero,
-    36.7 µs at batch 1 (90%, 4096²) against 12.5 µs for the forward.
+    per non-zero, :func:`derived_tensors`). The first H200 run read them through ``csc_perm``
+    inside the kernel: a chain of three dependent loads per non-zero (``csc_perm`` → ``row`` →
+    ``dy``), 36.7 µs at batch 1 (90%, 4096²) against 12.5 µs for the forward.
+
+    The values change every optimizer step, so they cannot be cached in column order. Two ways
+    to read them (:data:`VALUE_READS`): ``"gathered"``, ``values[csc_perm]`` by ``index_select``
+    before the kernel, which then reads them sequentially (H200, batch 1, 90%: 13.3 of the
+    transposed SpMM's 19.3 µs were that gather, and it is one more launch of host time); or
+    ``"indirect"``, the kernel loads ``values[csc_perm[k]]`` itself: no extra pass, and the random
+    value load runs beside the ``dy`` load instead of behind it (two dependent loads, not three).
+    On a GPU the first call per (form, batch tile, dtype) times both, each with its own autotuned
+    kernel, and keeps the faster (:func:`_value_read`); otherwise :data:`FIXED_VALUE_READ` runs.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -60,6 +68,7 @@ from snack.topology import TopologyTensors
 __all__ = [
     "AUTOTUNE",
     "FIXED_CONFIGS",
+    "FIXED_VALUE_READ",
     "INTERPRETED",
     "derived_tensors",
     "sddmm",
@@ -68,6 +77,7 @@ __all__ = [
     "spmm_form",
     "spmm_t",
     "supports",
+    "VALUE_READS",
 ]
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
@@ -92,6 +102,10 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "pointer_spmm": {"BLOCK_K": 64, "num_warps": 4},
     "sddmm": {"BLOCK_K": 64, "num_warps": 4},
 }
+# How the transposed SpMM reads the values in column order (module docstring).
+VALUE_READS = ("gathered", "indirect")
+# The read used when not autotuning: the one that needs no extra pass.
+FIXED_VALUE_READ = "indirect"
 
 
 def supports(device: torch.device) -> bool:
@@ -150,9 +164,11 @@ def _tile_configs_for(configs: list, named_args: dict, **kwargs) -> list:
 _TUNED = {
     # The segment kernel accumulates into its output: every trial must start from zeros. Its batch
     # is in the key: rows per program depend on it.
-    "segment_spmm": _autotuned(kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["batch"], reset_to_zero=["y_ptr"]),
+    "segment_spmm": _autotuned(
+        kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["batch", "INDIRECT_VALUES"], reset_to_zero=["y_ptr"]
+    ),
     "pointer_spmm": _autotuned(
-        kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "HAS_BIAS"],
+        kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"],
         prune_configs_by={"early_config_prune": _tile_configs_for},
     ),  # fmt: skip
     "sddmm": _autotuned(
@@ -161,12 +177,17 @@ _TUNED = {
 }
 
 
-_AUTOTUNE_KEYS = {"segment_spmm": ("batch",), "pointer_spmm": ("BLOCK_B", "HAS_BIAS"), "sddmm": ("BLOCK_B",)}
+_AUTOTUNE_KEYS = {
+    "segment_spmm": ("batch", "INDIRECT_VALUES"),
+    "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
+    "sddmm": ("BLOCK_B",),
+}
 # (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
 # Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
 # the H200 machine against 17 µs for calling the kernel itself. So only a key's first call goes
-# through the autotuner; later ones launch the kernel directly with the picked config.
-_PICKED: dict[tuple, dict] = {}
+# through the autotuner; later ones launch the kernel directly with the picked config. It also
+# holds the value read the transposed SpMM picked (:func:`_value_read`).
+_PICKED: dict[tuple, dict | str] = {}
 
 
 def _launch(name: str, grid, *args, **constexprs) -> None:
@@ -230,9 +251,11 @@ def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
 
 
 def _segment_spmm(
-    a: Tensor, values: Tensor, seg_ptr: Tensor, seg_index: Tensor, gather_index: Tensor, n_out: int
-) -> Tensor:
-    batch, nnz = a.shape[0], values.numel()
+    a: Tensor, values: Tensor, seg_ptr: Tensor, seg_index: Tensor, gather_index: Tensor, n_out: int,
+    value_index: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """``y (B, n_out)`` from ``a (B, n_in)``; ``values[value_index]`` when ``value_index`` is given."""
+    batch, nnz = a.shape[0], gather_index.numel()
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
     y = torch.zeros(batch, n_out, device=a.device, dtype=torch.float32)
     if nnz > 0 and batch > 0:
@@ -242,16 +265,18 @@ def _segment_spmm(
         )
         _launch(
             "segment_spmm", grid,
-            a, values, seg_ptr, seg_index, gather_index, y, nnz, batch, n_out, a.shape[1], 1,
+            a, values, gather_index if value_index is None else value_index, seg_ptr, seg_index, gather_index, y,
+            nnz, batch, n_out, a.shape[1], 1, INDIRECT_VALUES=value_index is not None,
         )  # fmt: skip
     return y.to(a.dtype)
 
 
 def _pointer_spmm(
     a_layout: tuple[Tensor, int, int], batch: int, values: Tensor, seg_ptr: Tensor, gather_index: Tensor,
-    n_out: int, bias: Tensor | None = None,
+    n_out: int, bias: Tensor | None = None, value_index: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """``y (B, n_out)`` from ``a`` given as :func:`_batch_contiguous` lays it out."""
+    """``y (B, n_out)`` from ``a`` given as :func:`_batch_contiguous` lays it out;
+    ``values[value_index]`` when ``value_index`` is given."""
     a_storage, stride_ab, stride_ai = a_layout
     y = torch.empty(batch, n_out, device=a_storage.device, dtype=a_storage.dtype)
     if batch > 0 and n_out > 0:
@@ -261,9 +286,10 @@ def _pointer_spmm(
             raise ValueError(f"snack triton backend: batch {batch} exceeds {_MAX_GRID_1 * block_b} rows per call")
         _launch(
             "pointer_spmm", grid,
-            a_storage, values, seg_ptr, gather_index, y if bias is None else bias, y,
-            batch, stride_ab, stride_ai, y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
+            a_storage, values, gather_index if value_index is None else value_index, seg_ptr, gather_index,
+            y if bias is None else bias, y, batch, stride_ab, stride_ai, y.stride(0), y.stride(1),
+            HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=INTERPRETED,
+            BLOCK_B=block_b,
         )  # fmt: skip
     elif bias is not None:
         y.copy_(bias.expand_as(y))
@@ -295,28 +321,61 @@ def spmm(
 
 
 def _spmm_t(
-    dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None
-) -> Tensor:
+    dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None,
+    value_read: str | None = None,
+) -> Tensor:  # fmt: skip
     """:func:`spmm_t` with ``dy`` also given as :func:`_batch_contiguous` laid it out (what the
     pointer form reads; the segment form reads ``dy`` itself)."""
     n_in = topo.colptr.numel() - 1
     form = form or spmm_form(dy.shape[0], n_in, dy.device)
     _check_form(form)
-    values_by_column = values.index_select(0, topo.csc_perm)  # int32 index: no conversion launch
+    if value_read is not None and value_read not in VALUE_READS:
+        raise ValueError(f"value_read must be one of {VALUE_READS}, got {value_read!r}")
     rows = _rows_in_column_order(topo)
-    if form == "pointer":
-        return _pointer_spmm(dy_layout, dy.shape[0], values_by_column, topo.colptr, rows, n_in)
-    return _segment_spmm(dy, values_by_column, topo.colptr, _cols_in_column_order(topo), rows, n_in)
+
+    def run(read: str) -> Tensor:
+        if read == "gathered":
+            by_column, value_index = values.index_select(0, topo.csc_perm), None  # int32 index: no conversion
+        else:
+            by_column, value_index = values, topo.csc_perm
+        if form == "pointer":
+            return _pointer_spmm(dy_layout, dy.shape[0], by_column, topo.colptr, rows, n_in, value_index=value_index)
+        cols = _cols_in_column_order(topo)
+        return _segment_spmm(dy, by_column, topo.colptr, cols, rows, n_in, value_index=value_index)
+
+    return run(value_read or _value_read(form, dy, values, run))
 
 
-def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
+def _value_read(form: str, dy: Tensor, values: Tensor, run) -> str:
+    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype), timed on its
+    first call on a GPU (``run(read)`` computes the product); :data:`FIXED_VALUE_READ` when not
+    autotuning, for empty products, and during CUDA-graph capture (timing would break it)."""
+    if not AUTOTUNE or dy.shape[0] == 0 or values.numel() == 0:
+        return FIXED_VALUE_READ
+    key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype)
+    picked = _PICKED.get(key)
+    if picked is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return FIXED_VALUE_READ
+        import triton.testing
+
+        times = {read: triton.testing.do_bench(lambda: run(read), warmup=5, rep=20) for read in VALUE_READS}
+        picked = _PICKED[key] = min(times, key=times.get)
+    return picked
+
+
+def spmm_t(
+    dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None, value_read: str | None = None
+) -> Tensor:
     """``dX = dY·W``: ``dy (B, out)`` → ``(B, in)``, walking ``W`` by column (module docstring).
 
     Args:
         form: as for :func:`spmm`.
+        value_read: ``"gathered"`` or ``"indirect"`` to override how the values are read in column
+            order (module docstring; benchmarks, tests).
     """
     _check_dtype("spmm_t", dy, values)
-    return _spmm_t(_batch_contiguous(dy), dy, values, topo, form)
+    return _spmm_t(_batch_contiguous(dy), dy, values, topo, form, value_read)
 
 
 def _sddmm(dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], batch: int, topo: TopologyTensors):

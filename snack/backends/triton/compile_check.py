@@ -16,13 +16,17 @@ import argparse
 import os
 import traceback
 
-# (variant name, kernel name, HAS_BIAS) — the pointer kernel is compiled with and without the
-# bias epilogue (a layer's forward adds it; the transposed SpMM does not).
+# (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
+# read values sequentially (forward) or through csc_perm (INDIRECT_VALUES: a transposed SpMM); the
+# pointer kernel adds the bias in its epilogue in a layer's forward.
+_NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
-    ("segment_spmm", "segment_spmm", None),
-    ("pointer_spmm", "pointer_spmm", False),
-    ("pointer_spmm[bias]", "pointer_spmm", True),
-    ("sddmm", "sddmm", None),
+    ("segment_spmm", "segment_spmm", _NO_FLAGS),
+    ("segment_spmm[indirect]", "segment_spmm", {"INDIRECT_VALUES": True}),
+    ("pointer_spmm", "pointer_spmm", {"HAS_BIAS": False, **_NO_FLAGS}),
+    ("pointer_spmm[bias]", "pointer_spmm", {"HAS_BIAS": True, **_NO_FLAGS}),
+    ("pointer_spmm[indirect]", "pointer_spmm", {"HAS_BIAS": False, "INDIRECT_VALUES": True}),
+    ("sddmm", "sddmm", {}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -40,22 +44,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _signature(kernel_name: str, dtype: str, has_bias: bool | None) -> tuple[dict[str, str], dict[str, object]]:
+def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[dict[str, str], dict[str, object]]:
     """Argument types and constexpr values of one kernel variant, as ``ASTSource`` takes them."""
     from snack.backends.triton.backend import FIXED_CONFIGS
 
     t = _DTYPES[dtype]
     config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k != "num_warps"}
     if kernel_name == "segment_spmm":
-        pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "seg_index_ptr": "i32",
-                    "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
+        pointers = {"a_ptr": t, "values_ptr": t, "value_index_ptr": "i32", "seg_ptr_ptr": "i32",
+                    "seg_index_ptr": "i32", "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
         scalars = ["nnz", "batch", "n_out", "stride_ab", "stride_ai"]
-        constexprs = config
+        constexprs = {**flags, **config}
     elif kernel_name == "pointer_spmm":
-        pointers = {"a_ptr": t, "values_ptr": t, "seg_ptr_ptr": "i32", "gather_index_ptr": "i32",
-                    "bias_ptr": t, "y_ptr": t}  # fmt: skip
+        pointers = {"a_ptr": t, "values_ptr": t, "value_index_ptr": "i32", "seg_ptr_ptr": "i32",
+                    "gather_index_ptr": "i32", "bias_ptr": t, "y_ptr": t}  # fmt: skip
         scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
-        constexprs = {"HAS_BIAS": has_bias, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
+        constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     else:
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
         scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
@@ -82,9 +86,9 @@ def compile_kernel(variant: str, dtype: str, arch: int):
     from snack.backends.triton import kernels
     from snack.backends.triton.backend import FIXED_CONFIGS
 
-    _, kernel_name, has_bias = next(v for v in _VARIANTS if v[0] == variant)
+    _, kernel_name, flags = next(v for v in _VARIANTS if v[0] == variant)
     fn = kernels.KERNELS[kernel_name]
-    signature, constexprs = _signature(kernel_name, dtype, has_bias)
+    signature, constexprs = _signature(kernel_name, dtype, flags)
     options = {"num_warps": FIXED_CONFIGS[kernel_name]["num_warps"]}
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -3,8 +3,11 @@
 
 Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one
 output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
-(``dX = dY·W``, which the host hands over in column order: ``values``, ``row`` and ``col`` gathered
-through ``csc_perm``, so every kernel reads its operands sequentially). Every kernel multiplies and
+(``dX = dY·W``, which the host hands over in column order: ``row`` and ``col`` gathered through
+``csc_perm`` and cached, so the kernels read them sequentially). The values of the transposed SpMM
+are either gathered into column order by the host too, or, with ``INDIRECT_VALUES``, read by the
+kernel at ``values[value_index[k]]`` (``value_index`` = ``csc_perm``): one random load per
+non-zero instead of a whole gather pass (see :mod:`.backend`). Every kernel multiplies and
 accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
@@ -35,6 +38,14 @@ __all__ = ["KERNELS", "pointer_spmm_kernel", "sddmm_kernel", "segment_spmm_kerne
 
 
 @triton.jit
+def _load_values(values_ptr, value_index_ptr, offs, mask, INDIRECT_VALUES: tl.constexpr):
+    # The values of positions ``offs`` as float32: ``values[offs]``, or ``values[value_index[offs]]``.
+    if INDIRECT_VALUES:
+        offs = tl.load(value_index_ptr + offs, mask=mask, other=0)
+    return tl.load(values_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _segmented_sum(value_a, start_a, value_b, start_b):
     # Combine step of a segmented inclusive scan: a run restarts wherever a start flag is set.
     # Associative: (a ∘ b) ∘ c == a ∘ (b ∘ c) for the pair (value, start).
@@ -46,7 +57,8 @@ def _segmented_sum(value_a, start_a, value_b, start_b):
 @triton.jit(do_not_specialize=["nnz", "batch", "n_out"])
 def segment_spmm_kernel(
     a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
-    values_ptr,  # (nnz,)
+    values_ptr,  # (nnz,) in segment order, or in any order read through value_index_ptr
+    value_index_ptr,  # (nnz,) int32 position in values of each non-zero; unused unless INDIRECT_VALUES
     seg_ptr_ptr,  # (n_out + 1,) int32 pointer of the segment index (rowptr or colptr)
     seg_index_ptr,  # (nnz,) int32 segment (output) index of each non-zero (row or col)
     gather_index_ptr,  # (nnz,) int32 input index of each non-zero (col or row)
@@ -56,6 +68,7 @@ def segment_spmm_kernel(
     n_out,
     stride_ab,
     stride_ai,
+    INDIRECT_VALUES: tl.constexpr,
     BLOCK_NNZ: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,  # read by the host's grid only: axis 1 = cdiv(B, ROWS_PER_PROGRAM)
 ):
@@ -69,7 +82,7 @@ def segment_spmm_kernel(
     mask = offs < nnz
     seg = tl.load(seg_index_ptr + offs, mask=mask, other=0)
     gather = tl.load(gather_index_ptr + offs, mask=mask, other=0).to(tl.int64)
-    value = tl.load(values_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    value = _load_values(values_ptr, value_index_ptr, offs, mask, INDIRECT_VALUES)
     # Run boundaries from the pointer array (no neighbour loads): a non-zero starts a run when it is
     # its segment's first (or the block's first) and ends one when it is its segment's last (or the
     # block's last). Masked lanes end no run.
@@ -87,13 +100,13 @@ def segment_spmm_kernel(
 
 
 @triton.jit
-def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
+def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, value_index_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
+                   INDIRECT_VALUES: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # acc[b, j] += a[b, gather[k_j]] · values[k_j] for the positions k_j = k0 + j < end of a segment.
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < end
     gather = tl.load(gather_index_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
-    value = tl.load(values_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    value = _load_values(values_ptr, value_index_ptr, offs_k, mask_k, INDIRECT_VALUES)
     a = tl.load(a_ptr + row_b[:, None] + gather[None, :] * stride_ai, mask=mask_b[:, None] & mask_k[None, :], other=0.0)
     return acc + a.to(tl.float32) * value[None, :]
 
@@ -101,7 +114,8 @@ def _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mas
 @triton.jit(do_not_specialize=["batch"])
 def pointer_spmm_kernel(
     a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
-    values_ptr,  # (nnz,)
+    values_ptr,  # (nnz,) in segment order, or in any order read through value_index_ptr
+    value_index_ptr,  # (nnz,) int32 position in values of each non-zero; unused unless INDIRECT_VALUES
     seg_ptr_ptr,  # (n_out + 1,) int32 pointer: segment s owns positions [ptr[s], ptr[s+1])
     gather_index_ptr,  # (nnz,) int32 input index of each non-zero
     bias_ptr,  # (n_out,) added to every output row; unused unless HAS_BIAS
@@ -112,6 +126,7 @@ def pointer_spmm_kernel(
     stride_yb,
     stride_ys,
     HAS_BIAS: tl.constexpr,
+    INDIRECT_VALUES: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -135,13 +150,13 @@ def pointer_spmm_kernel(
     if WHILE_LOOP:
         k0 = start
         while k0 < end:
-            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
-                                 BLOCK_K)  # fmt: skip
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, value_index_ptr, gather_index_ptr, row_b, mask_b,
+                                 stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in range(start, end, BLOCK_K):
-            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, gather_index_ptr, row_b, mask_b, stride_ai,
-                                 BLOCK_K)  # fmt: skip
+            acc = _pointer_chunk(acc, k0, end, a_ptr, values_ptr, value_index_ptr, gather_index_ptr, row_b, mask_b,
+                                 stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + seg).to(tl.float32)
