@@ -172,15 +172,16 @@ _TUNED = {
         prune_configs_by={"early_config_prune": _tile_configs_for},
     ),  # fmt: skip
     "sddmm": _autotuned(
-        kernels.sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B"], prune_configs_by={"early_config_prune": _tile_configs_for}
-    ),
+        kernels.sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
+        prune_configs_by={"early_config_prune": _tile_configs_for},
+    ),  # fmt: skip
 }
 
 
 _AUTOTUNE_KEYS = {
     "segment_spmm": ("batch", "INDIRECT_VALUES"),
     "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
-    "sddmm": ("BLOCK_B",),
+    "sddmm": ("BLOCK_B", "BIAS_GRAD"),
 }
 # (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
 # Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
@@ -378,20 +379,26 @@ def spmm_t(
     return _spmm_t(_batch_contiguous(dy), dy, values, topo, form, value_read)
 
 
-def _sddmm(dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], batch: int, topo: TopologyTensors):
-    nnz = topo.row.numel()
+def _sddmm(
+    dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], batch: int, topo: TopologyTensors,
+    bias_grad: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """``dvalues (nnz,)``, and ``(dvalues, dbias (n_out,))`` when ``bias_grad`` (one launch: the
+    kernel's extra programs sum ``dy`` over the batch), from ``dy`` and ``x`` as
+    :func:`_batch_contiguous` lays them out."""
+    nnz, n_out = topo.row.numel(), topo.rowptr.numel() - 1
     dy_storage, stride_db, stride_dr = dy_layout
     x_storage, stride_xb, stride_xc = x_layout
-    if batch == 0 or nnz == 0:
-        return dy_storage.new_zeros(nnz)
-    out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
-    grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]),)  # noqa: E731
-    _launch(
-        "sddmm", grid,
-        dy_storage, x_storage, topo.row, topo.col, out, nnz, batch, stride_db, stride_dr, stride_xb, stride_xc,
-        BLOCK_B=_block_b(batch),
-    )  # fmt: skip
-    return out
+    new = functools.partial(torch.zeros if batch == 0 else torch.empty, device=dy_storage.device, dtype=dy_storage.dtype)
+    out, dbias = new(nnz), new(n_out) if bias_grad else None
+    if batch > 0 and nnz + (n_out if bias_grad else 0) > 0:
+        grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + (_cdiv(n_out, meta["BLOCK_K"]) if bias_grad else 0),)  # noqa: E731
+        _launch(
+            "sddmm", grid,
+            dy_storage, x_storage, topo.row, topo.col, out, out if dbias is None else dbias, nnz, batch, n_out,
+            stride_db, stride_dr, stride_xb, stride_xc, BIAS_GRAD=bias_grad, BLOCK_B=_block_b(batch),
+        )  # fmt: skip
+    return out if dbias is None else (out, dbias)
 
 
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
@@ -406,9 +413,10 @@ def spmm_backward(
     """``(spmm_t(dy, values), sddmm(dy, x))``, plus ``dy.sum(0)`` third when ``bias_grad``:
     ``dy (B, out)``, ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,)[, dbias (out,)])``.
 
-    Two kernels, as :func:`spmm_t` and :func:`sddmm`, but ``dy`` is laid out (transposed) once
-    for both."""
+    Two launches, as :func:`spmm_t` and :func:`sddmm`, but ``dy`` is laid out (transposed) once
+    for both, and the bias gradient comes from the SDDMM's launch."""
     _check_dtype("spmm_backward", dy, x, values)
     dy_layout = _batch_contiguous(dy)
-    grads = _spmm_t(dy_layout, dy, values, topo, None), _sddmm(dy_layout, _batch_contiguous(x), dy.shape[0], topo)
-    return (*grads, dy.sum(0)) if bias_grad else grads
+    dx = _spmm_t(dy_layout, dy, values, topo, None)
+    weight_grads = _sddmm(dy_layout, _batch_contiguous(x), dy.shape[0], topo, bias_grad)
+    return (dx, *weight_grads) if bias_grad else (dx, weight_grads)

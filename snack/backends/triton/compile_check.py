@@ -18,7 +18,8 @@ import traceback
 
 # (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
 # read values sequentially (forward) or through csc_perm (INDIRECT_VALUES: a transposed SpMM); the
-# pointer kernel adds the bias in its epilogue in a layer's forward.
+# pointer kernel adds the bias in its epilogue in a layer's forward; the SDDMM of a training step also
+# sums the bias gradient (BIAS_GRAD).
 _NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
     ("segment_spmm", "segment_spmm", _NO_FLAGS),
@@ -26,7 +27,8 @@ _VARIANTS = [
     ("pointer_spmm", "pointer_spmm", {"HAS_BIAS": False, **_NO_FLAGS}),
     ("pointer_spmm[bias]", "pointer_spmm", {"HAS_BIAS": True, **_NO_FLAGS}),
     ("pointer_spmm[indirect]", "pointer_spmm", {"HAS_BIAS": False, "INDIRECT_VALUES": True}),
-    ("sddmm", "sddmm", {}),
+    ("sddmm", "sddmm", {"BIAS_GRAD": False}),
+    ("sddmm[bias]", "sddmm", {"BIAS_GRAD": True}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -61,9 +63,9 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
         scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
         constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     else:
-        pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t}
-        scalars = ["nnz", "batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
-        constexprs = {"BLOCK_B": _BLOCK_B, **config}
+        pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
+        scalars = ["nnz", "batch", "n_out", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
+        constexprs = {**flags, "BLOCK_B": _BLOCK_B, **config}
     types = {name: "*" + kind for name, kind in pointers.items()}
     types.update({name: "i32" for name in scalars})
     types.update({name: "constexpr" for name in constexprs})

@@ -18,7 +18,8 @@ accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
   the segment through its pointer array (``rowptr``/``colptr``); each output element is written
   once, no atomics.
 * :func:`sddmm_kernel` — ``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: one program per block of
-  non-zeros, looping over batch tiles.
+  non-zeros, looping over batch tiles; optionally also the bias gradient ``Σ_b dy[b, r]``, in
+  programs of its own within the same launch.
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -164,24 +165,11 @@ def pointer_spmm_kernel(
     tl.store(y_addr, y.to(y_ptr.dtype.element_ty), mask=mask_b)
 
 
-@triton.jit(do_not_specialize=["nnz", "batch"])
-def sddmm_kernel(
-    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
-    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
-    row_ptr,  # (nnz,) int32
-    col_ptr,  # (nnz,) int32
-    out_ptr,  # (nnz,) output in the input dtype
-    nnz,
-    batch,
-    stride_db,
-    stride_dr,
-    stride_xb,
-    stride_xc,
-    BLOCK_B: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for the block of non-zeros ``program_id(0)``."""
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+@triton.jit
+def _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr, stride_xb,
+                 stride_xc, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # out[k] = Σ_b dy[b, row_k] · x[b, col_k] for the non-zeros k of block `block`.
+    offs_k = block * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < nnz
     dy_col = tl.load(row_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_dr
     x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
@@ -199,6 +187,62 @@ def sddmm_kernel(
         b0 += BLOCK_B
     out = tl.sum(acc, axis=0)
     tl.store(out_ptr + offs_k, out.to(out_ptr.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit
+def _batch_sum_block(dy_ptr, out_ptr, block, n_out, batch, stride_db, stride_dr, BLOCK_B: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+    # out[r] = Σ_b dy[b, r] for the BLOCK_K outputs r of block `block` (the bias gradient).
+    offs_r = block * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_r = offs_r < n_out
+    dy_col = offs_r.to(tl.int64) * stride_dr
+    acc = tl.zeros((BLOCK_B, BLOCK_K), dtype=tl.float32)
+    b0 = 0
+    while b0 < batch:
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask = (offs_b < batch)[:, None] & mask_r[None, :]
+        dy = tl.load(dy_ptr + offs_b.to(tl.int64)[:, None] * stride_db + dy_col[None, :], mask=mask, other=0.0)
+        acc += dy.to(tl.float32)
+        b0 += BLOCK_B
+    tl.store(out_ptr + offs_r, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=mask_r)
+
+
+@triton.jit(do_not_specialize=["nnz", "batch", "n_out"])
+def sddmm_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
+    row_ptr,  # (nnz,) int32
+    col_ptr,  # (nnz,) int32
+    out_ptr,  # (nnz,) output in the input dtype
+    bias_grad_ptr,  # (n_out,) output in the input dtype; unused unless BIAS_GRAD
+    nnz,
+    batch,
+    n_out,
+    stride_db,
+    stride_dr,
+    stride_xb,
+    stride_xc,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for the block of non-zeros ``program_id(0)``.
+
+    With ``BIAS_GRAD`` the grid has ``cdiv(n_out, BLOCK_K)`` programs more, after the
+    ``cdiv(nnz, BLOCK_K)`` of the SDDMM, each writing ``bias_grad[r] = Σ_b dy[b, r]`` for a block
+    of outputs: a training step's bias gradient without a launch of its own."""
+    block = tl.program_id(0)
+    if BIAS_GRAD:
+        value_blocks = tl.cdiv(nnz, BLOCK_K)
+        if block < value_blocks:
+            _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
+                         stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
+        else:
+            _batch_sum_block(dy_ptr, bias_grad_ptr, block - value_blocks, n_out, batch, stride_db, stride_dr,
+                             BLOCK_B, BLOCK_K)  # fmt: skip
+    else:
+        _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
+                     stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
 
 
 # name -> kernel, for tools that walk every kernel (compile-check).
