@@ -27,7 +27,7 @@ from snack import backends  # noqa: E402
 from snack.backends import reference  # noqa: E402
 from snack.backends import triton as triton_package  # noqa: E402
 from snack.backends.triton import backend as tb  # noqa: E402
-from snack.topology import Topology, random_coo  # noqa: E402
+from snack.topology import Topology, nnz_for_sparsity, random_coo  # noqa: E402
 
 if DEVICE == "cpu" and not tb.INTERPRETED:
     raise RuntimeError("snack's Triton kernels were imported before TRITON_INTERPRET=1 was set; run this module first")
@@ -81,7 +81,8 @@ def blocks(request, monkeypatch):
     if request.param == "small":
         monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
         monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "sddmm", {"BLOCK_K": 16, "num_warps": 4})
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
+        monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
         monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
     return request.param
@@ -109,10 +110,11 @@ def test_spmm_forms_match_reference(op, form, case, batch, blocks):
     torch.testing.assert_close(got, expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("form", ["segment", "pointer"])
 @pytest.mark.parametrize(("case", "batch"), CASES)
-def test_sddmm_matches_reference(case, batch, blocks):
+def test_sddmm_matches_reference(form, case, batch, blocks):
     topo, x, dy, _ = _inputs(case, batch)
-    got = tb.sddmm(dy, x, topo)
+    got = tb.sddmm(dy, x, topo, form=form)
     assert got.shape == (topo.row.numel(),) and got.dtype == x.dtype
     torch.testing.assert_close(got, reference.sddmm(dy, x, topo), **TOL[torch.float32])
 
@@ -130,13 +132,14 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         for value_read in tb.VALUE_READS:
             got = tb.spmm_t(dy, values, topo, form=form, value_read=value_read)
             torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
-    got = tb.sddmm(dy, x, topo)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
-    _, dvalues, dbias = tb.spmm_backward(dy, x, values, topo, bias_grad=True)
-    assert dvalues.dtype == dbias.dtype == dtype
-    torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
-    torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
+    for form in ("segment", "pointer"):
+        got = tb.sddmm(dy, x, topo, form=form)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
+        dvalues, dbias = tb._sddmm(tb._batch_contiguous(dy), tb._batch_contiguous(x), batch, topo, True, form)
+        assert dvalues.dtype == dbias.dtype == dtype
+        torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
+        torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
 
 
 def test_form_heuristic():
@@ -227,7 +230,7 @@ def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, bat
         launches.clear()
         with Ops() as ops:
             step()
-    assert launches == ["pointer_spmm", "pointer_spmm", "sddmm"]
+    assert launches == ["pointer_spmm", "pointer_spmm", "pointer_sddmm"]
     # the interpreter's own bookkeeping is new_empty/set_/copy_/empty; t and clone lay out the operands
     assert ops.seen <= {"empty", "new_empty", "set_", "copy_", "t", "clone", "ones_like", "zeros"}, ops.seen
 
@@ -277,13 +280,15 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
     n_spmm = len(kernel_bench.SPMM_VARIANTS)
-    n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VALUE_READ_OPS) + len(kernel_bench._WHOLE_STEPS)
+    n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VARIANT_OPS) + len(kernel_bench._WHOLE_STEPS)
     assert len(graph_shapes) == 2 * (n_spmm + n_step)
     assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
     assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
-    assert graph_shapes[2 * n_spmm + n_step - 4 : 2 * n_spmm + n_step] == [(1, 20), (1, 20), (1, 9), (1, 9)]
+    nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
+    variants = [(1, 20), (1, 20), (nnz,), (nnz,)]  # spmm_t[gathered], spmm_t[indirect], sddmm[segment], sddmm[pointer]
+    assert graph_shapes[2 * n_spmm + n_step - 6 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -300,9 +305,12 @@ def test_spmm_adds_the_bias(form, case, batch, blocks):
     torch.testing.assert_close(got, reference.spmm(x, values, topo) + bias, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("form", ["segment", "pointer"])
 @pytest.mark.parametrize("bias_grad", [False, True])
 @pytest.mark.parametrize(("case", "batch"), CASES)
-def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, blocks):
+def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, form, blocks, monkeypatch):
+    monkeypatch.setattr(tb, "spmm_form", lambda *args: form)  # the transposed SpMM's and the SDDMM's
+    monkeypatch.setattr(tb, "AUTOTUNE", False)  # on a GPU: the pointer SDDMM, not a timed pick
     topo, x, dy, values = _inputs(case, batch)
     got = tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad)
     expected = (reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo))
@@ -383,47 +391,82 @@ def test_spmm_t_rejects_an_unknown_value_read():
         tb.spmm_t(dy, values, topo, value_read="scattered")
 
 
-def test_value_read_is_timed_once_per_key_and_the_faster_kept(monkeypatch):
-    """On a GPU the first transposed SpMM of a (form, batch tile, dtype) times both value reads,
-    each computing the product, and later calls reuse the faster; without autotuning, for an
-    empty product, or while a CUDA graph is being captured, the fixed read runs untimed."""
+@pytest.fixture
+def fake_timing(monkeypatch):
+    """``triton.testing.do_bench`` replaced: it calls the function once (recording its output's
+    shape) and returns ``times[name]`` for the variant named by its position in the call order,
+    ``names``; autotuning on, nothing picked yet."""
     import triton.testing
 
-    timed = []
-    fake_times = {"gathered": 2.0, "indirect": 3.0}
+    timing = type("Timing", (), {})()
+    timing.shapes, timing.times, timing.names = [], {}, []
 
     def fake_do_bench(fn, **kwargs):
-        read = "gathered" if len(timed) % 2 == 0 else "indirect"  # VALUE_READS order
-        timed.append(tuple(fn().shape))
-        return fake_times[read]
+        name = timing.names[len(timing.shapes) % len(timing.names)]
+        result = fn()
+        timing.shapes.append(tuple((result[0] if isinstance(result, tuple) else result).shape))
+        return timing.times[name]
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     monkeypatch.setattr(tb, "_PICKED", {})
-    topo, _, dy, values = _inputs("33x17", 3)
-    expected = reference.spmm_t(dy, values, topo)
-    assert tb._value_read("pointer", dy, values, lambda read: expected) == tb.FIXED_VALUE_READ  # not autotuning
-    assert timed == []
     monkeypatch.setattr(tb, "AUTOTUNE", True)
-    runs = []
+    return timing
 
-    def run(read):
-        runs.append(read)
-        return tb.spmm_t(dy, values, topo, form="pointer", value_read=read)
 
-    assert tb._value_read("pointer", dy, values, run) == "gathered"
-    assert runs == list(tb.VALUE_READS) and timed == [(3, 17), (3, 17)]
-    assert tb._value_read("pointer", dy, values, run) == "gathered"  # cached: no more timing
-    assert len(timed) == 2
-    fake_times["gathered"] = 9.0  # a new dtype is a new key
-    assert tb._value_read("pointer", dy.double(), values.double(), run) == "indirect"
-    assert tb._value_read("pointer", dy[:0], values, run) == tb.FIXED_VALUE_READ
+def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypatch):
+    """On a GPU the first call of a key times every variant (each computing the product) and later
+    calls reuse the fastest; without autotuning, or while a CUDA graph is being captured, the
+    default runs untimed."""
+    fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
+    runs = {"a": lambda: torch.zeros(2), "b": lambda: torch.zeros(3)}
+    assert tb._fastest(("k", 1), runs, "b") == "a"
+    assert fake_timing.shapes == [(2,), (3,)]
+    assert tb._fastest(("k", 1), runs, "b") == "a"  # remembered: no more timing
+    fake_timing.times["a"] = 9.0
+    assert tb._fastest(("k", 2), runs, "a") == "b"  # a new key is timed again
+    assert len(fake_timing.shapes) == 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert tb._value_read("segment", dy, values, run) == tb.FIXED_VALUE_READ
-    assert len(timed) == 4
-    # and the picked read is what spmm_t runs
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert tb._fastest(("k", 3), runs, "a") == "a"
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    assert tb._fastest(("k", 4), runs, "a") == "a"
+    assert len(fake_timing.shapes) == 4 and ("k", 3) not in tb._PICKED
+
+
+def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
+    """Keyed by (form, batch tile, dtype); an empty product takes the fixed read untimed."""
+    fake_timing.names, fake_timing.times = list(tb.VALUE_READS), {"gathered": 2.0, "indirect": 3.0}
+    topo, _, dy, values = _inputs("33x17", 3)
     used = []
-    monkeypatch.setattr(tb, "_pointer_spmm", lambda *a, value_index=None, **k: used.append(value_index) or expected)
+    real = tb._pointer_spmm
+    monkeypatch.setattr(tb, "_pointer_spmm", lambda *a, value_index=None, **k: used.append(value_index) or real(
+        *a, value_index=value_index, **k))  # fmt: skip
+    got = tb.spmm_t(dy, values, topo, form="pointer")
+    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo))
+    # timed: gathered, indirect; then the picked (gathered: values come pre-gathered, no index)
+    assert [index is None for index in used] == [True, False, True]
+    assert fake_timing.shapes == [(3, 17), (3, 17)]
     tb.spmm_t(dy, values, topo, form="pointer")
-    assert used == [None]  # "gathered" was picked for float32 at this batch tile: values come pre-gathered
+    assert len(fake_timing.shapes) == 2 and used[-1] is None
+    tb.spmm_t(dy[:0], values, topo, form="pointer")
+    assert used[-1] is topo.csc_perm  # FIXED_VALUE_READ, "indirect"
+    assert len(fake_timing.shapes) == 2
+
+
+def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch):
+    fake_timing.names, fake_timing.times = ["segment", "pointer"], {"segment": 2.0, "pointer": 3.0}
+    launched = []
+    real_launch = tb._launch
+    monkeypatch.setattr(tb, "_launch", lambda name, *a, **k: launched.append(name) or real_launch(name, *a, **k))
+    topo, x, dy, _ = _inputs("33x17", 3)
+    expected = reference.sddmm(dy, x, topo)
+    torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)  # 33 rows on 132 SMs: segment, untimed
+    assert launched == ["segment_sddmm"] and fake_timing.shapes == []
+    monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as if 33 rows filled the GPU
+    launched.clear()
+    torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)
+    assert launched == ["segment_sddmm", "pointer_sddmm", "segment_sddmm"]  # timed both, ran the faster
+    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    launched.clear()
+    tb.sddmm(dy, x, topo)
+    assert launched == ["pointer_sddmm"]  # not autotuning: the pointer form

@@ -16,6 +16,17 @@ Which SpMM form runs (:func:`spmm_form`)
     10-wide classifier layer — where the segment form's parallelism along the non-zeros wins.
     The transposed SpMM makes the same choice over columns.
 
+Which SDDMM form runs (:func:`_sddmm_form`)
+    The *segment* SDDMM runs programs along blocks of non-zeros, each loading ``dy[:, row_k]``
+    and ``x[:, col_k]`` per non-zero. The *pointer* SDDMM runs one program per row: it reads
+    ``rowptr`` instead of ``row`` (4 bytes less per non-zero) and the row's ``dy`` once per batch
+    tile, not once per non-zero. Where the pointer grid would leave SMs idle (the SpMM rule, over
+    rows) the segment form runs; otherwise, on a GPU, the first call per (batch tile, dtype, bias
+    gradient) times both and keeps the faster (:func:`_fastest`; not yet measured on a GPU:
+    ``kernel_bench`` reports both), and without autotuning the pointer form runs. In a training
+    step (``spmm_backward``) the SDDMM's launch also writes the bias gradient ``Σ_b dy[b, r]``:
+    each pointer program sums its row's ``dy``, the segment form adds programs for it.
+
 The transposed SpMM reads column-ordered copies
     ``dX = dY·W`` walks ``W`` by column. The kernels read the row (and, for the segment form, the
     column) indices in column order from copies cached per topology (``row[csc_perm]``, 4 bytes
@@ -30,7 +41,7 @@ The transposed SpMM reads column-ordered copies
     ``"indirect"``, the kernel loads ``values[csc_perm[k]]`` itself: no extra pass, and the random
     value load runs beside the ``dy`` load instead of behind it (two dependent loads, not three).
     On a GPU the first call per (form, batch tile, dtype) times both, each with its own autotuned
-    kernel, and keeps the faster (:func:`_value_read`); otherwise :data:`FIXED_VALUE_READ` runs.
+    kernel, and keeps the faster (:func:`_fastest`); otherwise :data:`FIXED_VALUE_READ` runs.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -42,7 +53,7 @@ Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
     (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈ {1, …, 8}
-    (key: ``BLOCK_B``), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep
+    (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep
     every lane busy without spilling registers (:func:`_tile_configs_for`): 6 to 15 configs per
     batch tile. The first H200 run's configs gave a 128-thread program a 32- or 64-wide tile at
     batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²) found the fastest
@@ -56,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -81,7 +93,7 @@ __all__ = [
 ]
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
-INTERPRETED = not isinstance(kernels.sddmm_kernel, triton.runtime.JITFunction)
+INTERPRETED = not isinstance(kernels.segment_sddmm_kernel, triton.runtime.JITFunction)
 AUTOTUNE = not INTERPRETED and os.environ.get("SNACK_TRITON_AUTOTUNE", "1") != "0"
 
 # Below this many pointer-form programs per SM the segment form runs (module docstring).
@@ -100,7 +112,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "segment_spmm": {"BLOCK_NNZ": 128, "ROWS_PER_PROGRAM": 1, "num_warps": 4},
     "pointer_spmm": {"BLOCK_K": 64, "num_warps": 4},
-    "sddmm": {"BLOCK_K": 64, "num_warps": 4},
+    "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
+    "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
 }
 # How the transposed SpMM reads the values in column order (module docstring).
 VALUE_READS = ("gathered", "indirect")
@@ -171,23 +184,27 @@ _TUNED = {
         kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"],
         prune_configs_by={"early_config_prune": _tile_configs_for},
     ),  # fmt: skip
-    "sddmm": _autotuned(
-        kernels.sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
-        prune_configs_by={"early_config_prune": _tile_configs_for},
-    ),  # fmt: skip
+    **{
+        name: _autotuned(
+            kernels.KERNELS[name], _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
+            prune_configs_by={"early_config_prune": _tile_configs_for},
+        )  # fmt: skip
+        for name in ("segment_sddmm", "pointer_sddmm")
+    },
 }
 
 
 _AUTOTUNE_KEYS = {
     "segment_spmm": ("batch", "INDIRECT_VALUES"),
     "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
-    "sddmm": ("BLOCK_B", "BIAS_GRAD"),
+    "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
+    "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD"),
 }
 # (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
 # Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
 # the H200 machine against 17 µs for calling the kernel itself. So only a key's first call goes
 # through the autotuner; later ones launch the kernel directly with the picked config. It also
-# holds the value read the transposed SpMM picked (:func:`_value_read`).
+# holds the variants :func:`_fastest` picked.
 _PICKED: dict[tuple, dict | str] = {}
 
 
@@ -207,6 +224,23 @@ def _launch(name: str, grid, *args, **constexprs) -> None:
         _PICKED[key] = tuned.best_config.all_kwargs()
     else:
         kernel[grid](*args, **constexprs, **config)
+
+
+def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
+    """The name of the fastest of ``runs`` (each computing the same product, allocation included),
+    timed on the first call of ``key`` on a GPU and remembered; ``default`` when not autotuning,
+    and during CUDA-graph capture (timing would break it)."""
+    if not AUTOTUNE:
+        return default
+    picked = _PICKED.get(key)
+    if picked is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return default
+        import triton.testing
+
+        times = {name: triton.testing.do_bench(run, warmup=5, rep=20) for name, run in runs.items()}
+        picked = _PICKED[key] = min(times, key=times.get)
+    return picked
 
 
 # ---------------------------------------------------------------- ops
@@ -347,22 +381,13 @@ def _spmm_t(
     return run(value_read or _value_read(form, dy, values, run))
 
 
-def _value_read(form: str, dy: Tensor, values: Tensor, run) -> str:
-    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype), timed on its
-    first call on a GPU (``run(read)`` computes the product); :data:`FIXED_VALUE_READ` when not
-    autotuning, for empty products, and during CUDA-graph capture (timing would break it)."""
-    if not AUTOTUNE or dy.shape[0] == 0 or values.numel() == 0:
+def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tensor]) -> str:
+    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype) (``run(read)``
+    computes the product; :func:`_fastest`); :data:`FIXED_VALUE_READ` for an empty product."""
+    if dy.shape[0] == 0 or values.numel() == 0:
         return FIXED_VALUE_READ
     key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype)
-    picked = _PICKED.get(key)
-    if picked is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return FIXED_VALUE_READ
-        import triton.testing
-
-        times = {read: triton.testing.do_bench(lambda: run(read), warmup=5, rep=20) for read in VALUE_READS}
-        picked = _PICKED[key] = min(times, key=times.get)
-    return picked
+    return _fastest(key, {read: functools.partial(run, read) for read in VALUE_READS}, FIXED_VALUE_READ)
 
 
 def spmm_t(
@@ -381,30 +406,61 @@ def spmm_t(
 
 def _sddmm(
     dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], batch: int, topo: TopologyTensors,
-    bias_grad: bool = False,
+    bias_grad: bool = False, form: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """``dvalues (nnz,)``, and ``(dvalues, dbias (n_out,))`` when ``bias_grad`` (one launch: the
-    kernel's extra programs sum ``dy`` over the batch), from ``dy`` and ``x`` as
-    :func:`_batch_contiguous` lays them out."""
+    """``dvalues (nnz,)``, and ``(dvalues, dbias (n_out,))`` when ``bias_grad`` (from the same
+    launch), from ``dy`` and ``x`` as :func:`_batch_contiguous` lays them out; ``form`` as
+    :func:`sddmm` takes it."""
     nnz, n_out = topo.row.numel(), topo.rowptr.numel() - 1
-    dy_storage, stride_db, stride_dr = dy_layout
-    x_storage, stride_xb, stride_xc = x_layout
-    new = functools.partial(torch.zeros if batch == 0 else torch.empty, device=dy_storage.device, dtype=dy_storage.dtype)
-    out, dbias = new(nnz), new(n_out) if bias_grad else None
-    if batch > 0 and nnz + (n_out if bias_grad else 0) > 0:
-        grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + (_cdiv(n_out, meta["BLOCK_K"]) if bias_grad else 0),)  # noqa: E731
-        _launch(
-            "sddmm", grid,
-            dy_storage, x_storage, topo.row, topo.col, out, out if dbias is None else dbias, nnz, batch, n_out,
-            stride_db, stride_dr, stride_xb, stride_xc, BIAS_GRAD=bias_grad, BLOCK_B=_block_b(batch),
-        )  # fmt: skip
-    return out if dbias is None else (out, dbias)
+    if form is not None:
+        _check_form(form)
+    (dy_storage, *dy_strides), (x_storage, *x_strides) = dy_layout, x_layout
+    if batch == 0 or nnz + bias_grad * n_out == 0:
+        out = dy_storage.new_zeros(nnz)
+        return (out, dy_storage.new_zeros(n_out)) if bias_grad else out
+    block_b = _block_b(batch)
+
+    def run(form: str) -> Tensor | tuple[Tensor, Tensor]:
+        out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
+        dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
+        dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused
+        if form == "pointer":
+            _launch(
+                "pointer_sddmm", (n_out,),
+                dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
+                BIAS_GRAD=bias_grad, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
+            )  # fmt: skip
+        else:  # blocks of non-zeros, then (bias_grad) blocks of outputs
+            grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + bias_grad * _cdiv(n_out, meta["BLOCK_K"]),)  # noqa: E731
+            _launch(
+                "segment_sddmm", grid,
+                dy_storage, x_storage, topo.row, topo.col, out, dbias_arg, nnz, batch, n_out, *dy_strides, *x_strides,
+                BIAS_GRAD=bias_grad, BLOCK_B=block_b,
+            )  # fmt: skip
+        return out if dbias is None else (out, dbias)
+
+    return run(form or _sddmm_form(batch, n_out, dy_storage, bias_grad, run))
 
 
-def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
-    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``."""
+def _sddmm_form(batch: int, n_out: int, dy: Tensor, bias_grad: bool, run: Callable[[str], object]) -> str:
+    """The SDDMM form for this call: ``"segment"`` where :func:`spmm_form` would leave SMs idle with
+    one program per output row; else the faster of the two, timed (:func:`_fastest`) per (batch
+    tile, dtype, bias gradient), ``"pointer"`` when not autotuning."""
+    if spmm_form(batch, n_out, dy.device) == "segment":
+        return "segment"
+    key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad)
+    return _fastest(key, {form: functools.partial(run, form) for form in ("segment", "pointer")}, "pointer")
+
+
+def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
+    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``.
+
+    Args:
+        form: ``"segment"`` (programs along blocks of non-zeros) or ``"pointer"`` (one program per
+            row) to override :func:`_sddmm_form` (benchmarks, tests).
+    """
     _check_dtype("sddmm", dy, x)
-    return _sddmm(_batch_contiguous(dy), _batch_contiguous(x), dy.shape[0], topo)
+    return _sddmm(_batch_contiguous(dy), _batch_contiguous(x), dy.shape[0], topo, form=form)
 
 
 def spmm_backward(

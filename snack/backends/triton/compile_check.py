@@ -27,8 +27,10 @@ _VARIANTS = [
     ("pointer_spmm", "pointer_spmm", {"HAS_BIAS": False, **_NO_FLAGS}),
     ("pointer_spmm[bias]", "pointer_spmm", {"HAS_BIAS": True, **_NO_FLAGS}),
     ("pointer_spmm[indirect]", "pointer_spmm", {"HAS_BIAS": False, "INDIRECT_VALUES": True}),
-    ("sddmm", "sddmm", {"BIAS_GRAD": False}),
-    ("sddmm[bias]", "sddmm", {"BIAS_GRAD": True}),
+    ("segment_sddmm", "segment_sddmm", {"BIAS_GRAD": False}),
+    ("segment_sddmm[bias]", "segment_sddmm", {"BIAS_GRAD": True}),
+    ("pointer_sddmm", "pointer_sddmm", {"BIAS_GRAD": False}),
+    ("pointer_sddmm[bias]", "pointer_sddmm", {"BIAS_GRAD": True}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -62,10 +64,14 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
                     "gather_index_ptr": "i32", "bias_ptr": t, "y_ptr": t}  # fmt: skip
         scalars = ["batch", "stride_ab", "stride_ai", "stride_yb", "stride_ys"]
         constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
-    else:
+    elif kernel_name == "segment_sddmm":
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
         scalars = ["nnz", "batch", "n_out", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
         constexprs = {**flags, "BLOCK_B": _BLOCK_B, **config}
+    else:
+        pointers = {"dy_ptr": t, "x_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
+        scalars = ["batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
+        constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     types = {name: "*" + kind for name, kind in pointers.items()}
     types.update({name: "i32" for name in scalars})
     types.update({name: "constexpr" for name in constexprs})

@@ -15,8 +15,10 @@ included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA gr
 And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
 from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the
-three dense matmuls) one by one, with the transposed SpMM also timed with each way of reading its
-values (``spmm_t[gathered]``, ``spmm_t[indirect]``; see :mod:`.backend`). A profile of the eager step at the smallest batch (where host
+three dense matmuls) one by one, and the variants the backend picks between by timing on a first
+call: the transposed SpMM with each way of reading its values (``spmm_t[gathered]``,
+``spmm_t[indirect]``) and the two SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
+:mod:`.backend`). A profile of the eager step at the smallest batch (where host
 overhead decides) lists where the host time goes, and the configs the autotuner picked are
 recorded. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
@@ -38,8 +40,9 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
 # the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
-# the transposed SpMM with each way of reading the values in column order (backend.VALUE_READS)
-_VALUE_READ_OPS = ["spmm_t[gathered]", "spmm_t[indirect]"]
+# the variants the backend times against each other: the transposed SpMM with each way of reading
+# the values in column order (backend.VALUE_READS), and the SDDMM's two forms
+_VARIANT_OPS = ["spmm_t[gathered]", "spmm_t[indirect]", "sddmm[segment]", "sddmm[pointer]"]
 _WHOLE_STEPS = ["snack", "dense"]
 TRAIN_BATCHES = [1, 8, 32]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,7 +115,7 @@ def _spmm_fns(x, values, tensors, weight, mask, csr) -> dict:
 
 def _step_ops(x, grad, values, tensors, weight) -> dict:
     """The three products of a training step, snack's and dense, for ``x (B, in)``, ``grad (B, out)``;
-    then the transposed SpMM with each value read."""
+    then the variants of :data:`_VARIANT_OPS`."""
     from snack.backends.triton import backend as tb
 
     ops = {
@@ -123,8 +126,11 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
         "dense_dx": lambda: grad @ weight,
         "dense_dw": lambda: grad.t() @ x,
     }
-    for name, read in zip(_VALUE_READ_OPS, tb.VALUE_READS):
-        ops[name] = lambda read=read: tb.spmm_t(grad, values, tensors, value_read=read)
+    for read in tb.VALUE_READS:
+        ops[f"spmm_t[{read}]"] = lambda read=read: tb.spmm_t(grad, values, tensors, value_read=read)
+    for form in ("segment", "pointer"):
+        ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
+    assert list(ops)[len(_STEP_OPS) :] == _VARIANT_OPS
     return ops
 
 
@@ -295,8 +301,8 @@ def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | 
 
 
 def _autotuned_configs() -> dict[str, dict[str, str]]:
-    """kernel → {autotune key: the config it picked}, and the transposed SpMM's value reads by
-    key; empty without autotuning."""
+    """kernel → {autotune key: the config it picked}, and the variants picked by timing (value
+    reads, SDDMM forms) by key; empty without autotuning."""
     from snack.backends.triton import backend as tb
 
     picks = {
@@ -304,8 +310,8 @@ def _autotuned_configs() -> dict[str, dict[str, str]]:
         for name, tuned in tb._TUNED.items()
         if tuned is not None
     }
-    reads = {str(key[1:]): read for key, read in tb._PICKED.items() if key[0] == "spmm_t values"}
-    return {**picks, "spmm_t value read": reads} if reads else picks
+    timed = {str(key): name for key, name in tb._PICKED.items() if isinstance(name, str)}
+    return {**picks, "timed picks": timed} if timed else picks
 
 
 def _write_json(path: str, result: dict) -> None:
@@ -364,10 +370,11 @@ def print_tables(result: dict) -> None:
             f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
-    print("\nTransposed SpMM of the step by value read (CUDA graphs, µs): " + ", ".join(_VALUE_READ_OPS))
+    print("\nThe variants the backend times on a first call, from CUDA graphs (µs):")
+    print(f"{'B':>3} " + " ".join(f"{op:>17}" for op in _VARIANT_OPS))
     for row in train["rows"]:
         g = row.get("graph_us", {})
-        print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 17) for op in _VALUE_READ_OPS))
+        print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 17) for op in _VARIANT_OPS))
     print(f"\nHost profile of the eager snack step ({train['host_profile'].splitlines()[0]}):")
     print("\n".join(train["host_profile"].splitlines()[1:]))
     if result.get("autotuned"):

@@ -17,9 +17,12 @@ accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 * :func:`pointer_spmm_kernel` — the tiled form: one program per (segment, batch tile), walking
   the segment through its pointer array (``rowptr``/``colptr``); each output element is written
   once, no atomics.
-* :func:`sddmm_kernel` — ``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: one program per block of
-  non-zeros, looping over batch tiles; optionally also the bias gradient ``Σ_b dy[b, r]``, in
-  programs of its own within the same launch.
+* :func:`segment_sddmm_kernel` — ``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: one program per
+  block of non-zeros, looping over batch tiles; optionally also the bias gradient
+  ``Σ_b dy[b, r]``, in programs of its own within the same launch.
+* :func:`pointer_sddmm_kernel` — the same product, one program per row through ``rowptr``: the
+  row's ``dy`` is loaded once per batch tile, its row index never, and the bias gradient is the
+  row's own sum.
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -35,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["KERNELS", "pointer_spmm_kernel", "sddmm_kernel", "segment_spmm_kernel"]
+__all__ = ["KERNELS", "pointer_sddmm_kernel", "pointer_spmm_kernel", "segment_sddmm_kernel", "segment_spmm_kernel"]
 
 
 @triton.jit
@@ -208,7 +211,7 @@ def _batch_sum_block(dy_ptr, out_ptr, block, n_out, batch, stride_db, stride_dr,
 
 
 @triton.jit(do_not_specialize=["nnz", "batch", "n_out"])
-def sddmm_kernel(
+def segment_sddmm_kernel(
     dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
     x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
     row_ptr,  # (nnz,) int32
@@ -245,9 +248,78 @@ def sddmm_kernel(
                      stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
 
 
+@triton.jit
+def _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb, stride_xc,
+                         BLOCK_K: tl.constexpr):  # fmt: skip
+    # out[k] (+)= Σ_b dy_tile[b] · x[b, col_k] over one batch tile, for the positions k0 <= k < end of a
+    # row; `prior` (a scalar flag) adds what earlier batch tiles stored.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < end
+    x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
+    x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)
+    out = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
+    # an all-false mask on the first batch tile: no memory traffic
+    out += tl.load(out_ptr + offs_k, mask=mask_k & prior, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_k, out.to(out_ptr.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit(do_not_specialize=["batch"])
+def pointer_sddmm_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
+    rowptr_ptr,  # (n_out + 1,) int32: row r owns positions [rowptr[r], rowptr[r+1])
+    col_ptr,  # (nnz,) int32
+    out_ptr,  # (nnz,) output in the input dtype
+    bias_grad_ptr,  # (n_out,) output in the input dtype; unused unless BIAS_GRAD
+    batch,
+    stride_db,
+    stride_dr,
+    stride_xb,
+    stride_xc,
+    BIAS_GRAD: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[k] = Σ_b dy[b, r] · x[b, col_k]`` for the non-zeros of row ``r = program_id(0)``, and
+    ``bias_grad[r] = Σ_b dy[b, r]`` with ``BIAS_GRAD`` (an empty row writes only that).
+
+    The row's ``dy`` values are loaded once per batch tile instead of once per non-zero, and its
+    row index is never read. The batch tiles are the outer loop (one tile up to batch 64), so the
+    inner loop over the row's non-zeros is the one Triton pipelines; a later tile adds to what the
+    earlier ones stored. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    row = tl.program_id(0)
+    start = tl.load(rowptr_ptr + row)
+    end = tl.load(rowptr_ptr + row + 1)
+    dy_row = dy_ptr + row.to(tl.int64) * stride_dr
+    dy_sum = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    b0 = 0
+    while b0 < batch:
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < batch
+        b64 = offs_b.to(tl.int64)
+        dy_tile = tl.load(dy_row + b64 * stride_db, mask=mask_b, other=0.0).to(tl.float32)
+        dy_sum += dy_tile
+        prior = b0 > 0
+        if WHILE_LOOP:
+            k0 = start
+            while k0 < end:
+                _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb,
+                                     stride_xc, BLOCK_K)  # fmt: skip
+                k0 += BLOCK_K
+        else:
+            for k0 in range(start, end, BLOCK_K):
+                _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb,
+                                     stride_xc, BLOCK_K)  # fmt: skip
+        b0 += BLOCK_B
+    if BIAS_GRAD:
+        tl.store(bias_grad_ptr + row, tl.sum(dy_sum, axis=0).to(bias_grad_ptr.dtype.element_ty))
+
+
 # name -> kernel, for tools that walk every kernel (compile-check).
 KERNELS = {
     "segment_spmm": segment_spmm_kernel,
     "pointer_spmm": pointer_spmm_kernel,
-    "sddmm": sddmm_kernel,
+    "segment_sddmm": segment_sddmm_kernel,
+    "pointer_sddmm": pointer_sddmm_kernel,
 }
