@@ -169,7 +169,7 @@ def pointer_spmm_kernel(
 
 
 @triton.jit
-def _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr, stride_xb,
+def _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr, stride_xb,
                  stride_xc, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # out[k] = Σ_b dy[b, row_k] · x[b, col_k] for the non-zeros k of block `block`.
     offs_k = block * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -238,13 +238,13 @@ def segment_sddmm_kernel(
     if BIAS_GRAD:
         value_blocks = tl.cdiv(nnz, BLOCK_K)
         if block < value_blocks:
-            _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
+            _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
                          stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
         else:
             _batch_sum_block(dy_ptr, bias_grad_ptr, block - value_blocks, n_out, batch, stride_db, stride_dr,
                              BLOCK_B, BLOCK_K)  # fmt: skip
     else:
-        _sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
+        _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
                      stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
 
 
