@@ -169,8 +169,8 @@ def pointer_spmm_kernel(
 
 
 @triton.jit
-def _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr, stride_xb,
-                 stride_xc, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
+                         stride_xb, stride_xc, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # out[k] = Σ_b dy[b, row_k] · x[b, col_k] for the non-zeros k of block `block`.
     offs_k = block * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < nnz
@@ -239,13 +239,13 @@ def segment_sddmm_kernel(
         value_blocks = tl.cdiv(nnz, BLOCK_K)
         if block < value_blocks:
             _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
-                         stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
+                                 stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
         else:
             _batch_sum_block(dy_ptr, bias_grad_ptr, block - value_blocks, n_out, batch, stride_db, stride_dr,
                              BLOCK_B, BLOCK_K)  # fmt: skip
     else:
         _segment_sddmm_block(dy_ptr, x_ptr, row_ptr, col_ptr, out_ptr, block, nnz, batch, stride_db, stride_dr,
-                     stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
+                             stride_xb, stride_xc, BLOCK_B, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
