@@ -53,9 +53,9 @@ Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
     (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈ {1, …, 8}
-    (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep
-    every lane busy without spilling registers (:func:`_tile_configs_for`): 6 to 15 configs per
-    batch tile. The first H200 run's configs gave a 128-thread program a 32- or 64-wide tile at
+    (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at most 2048 elements with 2–16
+    per thread, which keep every lane busy without spilling registers (:func:`_tile_configs_for`):
+    6 to 15 configs per batch tile. The first H200 run's configs gave a 128-thread program a 32- or 64-wide tile at
     batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²) found the fastest
     pointer tiles well inside this space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8 and
     4-16 at batch 16-64 (B=16: 11.2 µs against 16.3 µs for the best of the earlier space).
@@ -229,7 +229,9 @@ def _launch(name: str, grid, *args, **constexprs) -> None:
 def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
     """The name of the fastest of ``runs`` (each computing the same product, allocation included),
     timed on the first call of ``key`` on a GPU and remembered; ``default`` when not autotuning,
-    and during CUDA-graph capture (timing would break it)."""
+    and during CUDA-graph capture (timing would break it). Like the autotuner's keys, ``key``
+    holds the batch tile and dtype but not the layer's size: the first layer to meet a key picks
+    for every layer."""
     if not AUTOTUNE:
         return default
     picked = _PICKED.get(key)
