@@ -184,13 +184,14 @@ _TUNED = {
         kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"],
         prune_configs_by={"early_config_prune": _tile_configs_for},
     ),  # fmt: skip
-    **{
-        name: _autotuned(
-            kernels.KERNELS[name], _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
-            prune_configs_by={"early_config_prune": _tile_configs_for},
-        )  # fmt: skip
-        for name in ("segment_sddmm", "pointer_sddmm")
-    },
+    "segment_sddmm": _autotuned(
+        kernels.segment_sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
+        prune_configs_by={"early_config_prune": _tile_configs_for},
+    ),
+    "pointer_sddmm": _autotuned(
+        kernels.pointer_sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"],
+        prune_configs_by={"early_config_prune": _tile_configs_for},
+    ),  # fmt: skip
 }
 
 
@@ -198,7 +199,7 @@ _AUTOTUNE_KEYS = {
     "segment_spmm": ("batch", "INDIRECT_VALUES"),
     "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
     "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
-    "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD"),
+    "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
 }
 # (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
 # Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
@@ -430,7 +431,7 @@ def _sddmm(
             _launch(
                 "pointer_sddmm", (n_out,),
                 dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
-                BIAS_GRAD=bias_grad, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
+                BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
             )  # fmt: skip
         else:  # blocks of non-zeros, then (bias_grad) blocks of outputs
             grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + bias_grad * _cdiv(n_out, meta["BLOCK_K"]),)  # noqa: E731

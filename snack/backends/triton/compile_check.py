@@ -4,7 +4,7 @@ target fails here and not on the first call on that GPU.
 
 Prints one line per kernel variant, dtype and architecture::
 
-    segment_spmm[spmm]     float32   sm_90  ok  14336 bytes
+    segment_spmm               float32   sm_90  ok  15048 bytes
 
 and returns 1 if any fails (the error follows its line). Block sizes are the fixed configs of
 :mod:`snack.backends.triton.backend`.
@@ -29,8 +29,9 @@ _VARIANTS = [
     ("pointer_spmm[indirect]", "pointer_spmm", {"HAS_BIAS": False, "INDIRECT_VALUES": True}),
     ("segment_sddmm", "segment_sddmm", {"BIAS_GRAD": False}),
     ("segment_sddmm[bias]", "segment_sddmm", {"BIAS_GRAD": True}),
-    ("pointer_sddmm", "pointer_sddmm", {"BIAS_GRAD": False}),
-    ("pointer_sddmm[bias]", "pointer_sddmm", {"BIAS_GRAD": True}),
+    ("pointer_sddmm", "pointer_sddmm", {"BIAS_GRAD": False, "SINGLE_TILE": True}),
+    ("pointer_sddmm[bias]", "pointer_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": True}),
+    ("pointer_sddmm[bias,tiles]", "pointer_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": False}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -116,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
                     size = len(compiled.asm["cubin"])
                 except Exception:  # report every failure, then exit non-zero
                     failures += 1
-                    print(f"{variant:22s} {dtype:9s} sm_{arch}  FAILED", flush=True)
+                    print(f"{variant:26s} {dtype:9s} sm_{arch}  FAILED", flush=True)
                     print(traceback.format_exc(), flush=True)
                     continue
-                print(f"{variant:22s} {dtype:9s} sm_{arch}  ok  {size} bytes", flush=True)
+                print(f"{variant:26s} {dtype:9s} sm_{arch}  ok  {size} bytes", flush=True)
     total = len(_VARIANTS) * len(dtypes) * len(archs)
     print(f"{total - failures}/{total} kernels compiled")
     return 1 if failures else 0

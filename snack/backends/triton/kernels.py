@@ -249,17 +249,35 @@ def segment_sddmm_kernel(
 
 
 @triton.jit
-def _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb, stride_xc,
-                         BLOCK_K: tl.constexpr):  # fmt: skip
-    # out[k] (+)= Σ_b dy_tile[b] · x[b, col_k] over one batch tile, for the positions k0 <= k < end of a
-    # row; `prior` (a scalar flag) adds what earlier batch tiles stored.
+def _pointer_sddmm_tile(dy_row, x_ptr, x_col, mask_k, b0, batch, stride_db, stride_xb, BLOCK_B: tl.constexpr):
+    # Σ_b dy[b, r] · x[b, col_k] over the batch tile starting at b0, as float32 (BLOCK_K,).
+    offs_b = b0 + tl.arange(0, BLOCK_B)
+    mask_b = offs_b < batch
+    b64 = offs_b.to(tl.int64)
+    dy = tl.load(dy_row + b64 * stride_db, mask=mask_b, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)
+    return tl.sum(dy[:, None] * x.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _pointer_sddmm_chunk(dy_row, dy_tile, k0, end, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb, stride_xc,
+                         SINGLE_TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # out[k] = Σ_b dy[b, r] · x[b, col_k] for the positions k0 <= k < end of row r (dy_row points at
+    # dy[0, r]). One batch tile: dy_tile holds its dy values. Several: a loop over them, in float32.
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < end
     x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
-    x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask_b[:, None] & mask_k[None, :], other=0.0)
-    out = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
-    # an all-false mask on the first batch tile: no memory traffic
-    out += tl.load(out_ptr + offs_k, mask=mask_k & prior, other=0.0).to(tl.float32)
+    if SINGLE_TILE:
+        b64 = tl.arange(0, BLOCK_B).to(tl.int64)
+        mask = (b64 < batch)[:, None] & mask_k[None, :]
+        x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask, other=0.0)
+        out = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
+    else:
+        out = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        b0 = 0
+        while b0 < batch:
+            out += _pointer_sddmm_tile(dy_row, x_ptr, x_col, mask_k, b0, batch, stride_db, stride_xb, BLOCK_B)
+            b0 += BLOCK_B
     tl.store(out_ptr + offs_k, out.to(out_ptr.dtype.element_ty), mask=mask_k)
 
 
@@ -277,6 +295,7 @@ def pointer_sddmm_kernel(
     stride_xb,
     stride_xc,
     BIAS_GRAD: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -284,35 +303,33 @@ def pointer_sddmm_kernel(
     """``out[k] = Σ_b dy[b, r] · x[b, col_k]`` for the non-zeros of row ``r = program_id(0)``, and
     ``bias_grad[r] = Σ_b dy[b, r]`` with ``BIAS_GRAD`` (an empty row writes only that).
 
-    The row's ``dy`` values are loaded once per batch tile instead of once per non-zero, and its
-    row index is never read. The batch tiles are the outer loop (one tile up to batch 64), so the
-    inner loop over the row's non-zeros is the one Triton pipelines; a later tile adds to what the
-    earlier ones stored. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    The row index is never read. With ``SINGLE_TILE`` (``batch <= BLOCK_B``: up to batch 64) the
+    row's ``dy`` values are loaded once, before the loop over its non-zeros, which Triton then
+    pipelines; a larger batch loops over its tiles inside each chunk of non-zeros, still summing
+    in float32. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
     row = tl.program_id(0)
     start = tl.load(rowptr_ptr + row)
     end = tl.load(rowptr_ptr + row + 1)
     dy_row = dy_ptr + row.to(tl.int64) * stride_dr
-    dy_sum = tl.zeros((BLOCK_B,), dtype=tl.float32)
-    b0 = 0
-    while b0 < batch:
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        mask_b = offs_b < batch
-        b64 = offs_b.to(tl.int64)
-        dy_tile = tl.load(dy_row + b64 * stride_db, mask=mask_b, other=0.0).to(tl.float32)
-        dy_sum += dy_tile
-        prior = b0 > 0
-        if WHILE_LOOP:
-            k0 = start
-            while k0 < end:
-                _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb,
-                                     stride_xc, BLOCK_K)  # fmt: skip
-                k0 += BLOCK_K
-        else:
-            for k0 in range(start, end, BLOCK_K):
-                _pointer_sddmm_chunk(dy_tile, k0, end, b64, mask_b, prior, x_ptr, col_ptr, out_ptr, stride_xb,
-                                     stride_xc, BLOCK_K)  # fmt: skip
-        b0 += BLOCK_B
+    offs_b = tl.arange(0, BLOCK_B)
+    dy_tile = tl.load(dy_row + offs_b.to(tl.int64) * stride_db, mask=offs_b < batch, other=0.0).to(tl.float32)
+    if WHILE_LOOP:
+        k0 = start
+        while k0 < end:
+            _pointer_sddmm_chunk(dy_row, dy_tile, k0, end, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
+                                 stride_xc, SINGLE_TILE, BLOCK_B, BLOCK_K)  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in range(start, end, BLOCK_K):
+            _pointer_sddmm_chunk(dy_row, dy_tile, k0, end, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
+                                 stride_xc, SINGLE_TILE, BLOCK_B, BLOCK_K)  # fmt: skip
     if BIAS_GRAD:
+        dy_sum = dy_tile
+        b0 = BLOCK_B
+        while b0 < batch:  # the tiles after the first, if any
+            offs_b = b0 + tl.arange(0, BLOCK_B)
+            dy_sum += tl.load(dy_row + offs_b.to(tl.int64) * stride_db, mask=offs_b < batch, other=0.0).to(tl.float32)
+            b0 += BLOCK_B
         tl.store(bias_grad_ptr + row, tl.sum(dy_sum, axis=0).to(bias_grad_ptr.dtype.element_ty))
 
 
