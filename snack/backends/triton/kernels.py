@@ -11,9 +11,9 @@ non-zero instead of a whole gather pass (see :mod:`.backend`). Every kernel mult
 accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
-  batch row — or a few rows, ``ROWS_PER_PROGRAM``). Non-zeros are sorted by segment, so inside a block equal segments are contiguous;
-  a segmented prefix sum reduces each run and only the last element of a run issues an atomic
-  add. Atomics per block = runs in the block, not non-zeros.
+  batch row — or a few rows, ``ROWS_PER_PROGRAM``). Non-zeros are sorted by segment, so inside a
+  block equal segments are contiguous; a segmented prefix sum reduces each run and only the last
+  element of a run issues an atomic add. Atomics per block = runs in the block, not non-zeros.
 * :func:`pointer_spmm_kernel` — the tiled form: one program per (segment, batch tile), walking
   the segment through its pointer array (``rowptr``/``colptr``); each output element is written
   once, no atomics.
@@ -21,8 +21,8 @@ accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
   block of non-zeros, looping over batch tiles; optionally also the bias gradient
   ``Σ_b dy[b, r]``, in programs of its own within the same launch.
 * :func:`pointer_sddmm_kernel` — the same product, one program per row through ``rowptr``: the
-  row's ``dy`` is loaded once per batch tile, its row index never, and the bias gradient is the
-  row's own sum.
+  row's ``dy`` is loaded once (up to batch 64), its row index never, and the bias gradient is
+  the row's own sum.
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
