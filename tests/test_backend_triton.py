@@ -454,7 +454,8 @@ def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypat
 
 
 def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
-    """Keyed by (form, batch tile, dtype); an empty product takes the fixed read untimed."""
+    """Keyed by (form, batch tile, dtype, size class); an empty product takes the fixed read
+    untimed."""
     fake_timing.names, fake_timing.times = list(tb.VALUE_READS), {"gathered": 2.0, "indirect": 3.0}
     topo, _, dy, values = _inputs("33x17", 3)
     used = []
@@ -471,6 +472,10 @@ def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
     tb.spmm_t(dy[:0], values, topo, form="pointer")
     assert used[-1] is topo.csc_perm  # FIXED_VALUE_READ, "indirect"
     assert len(fake_timing.shapes) == 2
+    big_topo, _, big_dy, big_values = _inputs("64x40", 3)  # 256 non-zeros against 168: timed apart
+    assert big_values.numel().bit_length() != values.numel().bit_length()
+    tb.spmm_t(big_dy, big_values, big_topo, form="pointer")
+    assert fake_timing.shapes[2:] == [(3, 40), (3, 40)]
 
 
 def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch):

@@ -22,7 +22,7 @@ Which SDDMM form runs (:func:`_sddmm_form`)
     ``rowptr`` instead of ``row`` (4 bytes less per non-zero) and the row's ``dy`` once per batch
     tile, not once per non-zero. Where the pointer grid would leave SMs idle (the SpMM rule, over
     rows) the segment form runs; otherwise, on a GPU, the first call per (batch tile, dtype, bias
-    gradient) times both and keeps the faster (:func:`_fastest`; not yet measured on a GPU:
+    gradient, size class) times both and keeps the faster (:func:`_fastest`; not yet measured on a GPU:
     ``kernel_bench`` reports both), and without autotuning the pointer form runs. In a training
     step (``spmm_backward``) the SDDMM's launch also writes the bias gradient ``Σ_b dy[b, r]``:
     each pointer program sums its row's ``dy``, the segment form adds programs for it.
@@ -40,8 +40,9 @@ The transposed SpMM reads column-ordered copies
     transposed SpMM's 19.3 µs were that gather, and it is one more launch of host time); or
     ``"indirect"``, the kernel loads ``values[csc_perm[k]]`` itself: no extra pass, and the random
     value load runs beside the ``dy`` load instead of behind it (two dependent loads, not three).
-    On a GPU the first call per (form, batch tile, dtype) times both, each with its own autotuned
-    kernel, and keeps the faster (:func:`_fastest`); otherwise :data:`FIXED_VALUE_READ` runs.
+    On a GPU the first call per (form, batch tile, dtype, size class) times both, each with its
+    own autotuned kernel, and keeps the faster (:func:`_fastest`); otherwise
+    :data:`FIXED_VALUE_READ` runs.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -230,9 +231,9 @@ def _launch(name: str, grid, *args, **constexprs) -> None:
 def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
     """The name of the fastest of ``runs`` (each computing the same product, allocation included),
     timed on the first call of ``key`` on a GPU and remembered; ``default`` when not autotuning,
-    and during CUDA-graph capture (timing would break it). Like the autotuner's keys, ``key``
-    holds the batch tile and dtype but not the layer's size: the first layer to meet a key picks
-    for every layer."""
+    and during CUDA-graph capture (timing would break it). The callers' keys hold the batch tile,
+    the dtype and ``nnz.bit_length()``: whether the weight fits in L2 may change the winner, so
+    layers whose sizes differ by more than 2× are timed apart."""
     if not AUTOTUNE:
         return default
     picked = _PICKED.get(key)
@@ -385,11 +386,12 @@ def _spmm_t(
 
 
 def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tensor]) -> str:
-    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype) (``run(read)``
-    computes the product; :func:`_fastest`); :data:`FIXED_VALUE_READ` for an empty product."""
+    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype, size class)
+    (``run(read)`` computes the product; :func:`_fastest`); :data:`FIXED_VALUE_READ` for an empty
+    product."""
     if dy.shape[0] == 0 or values.numel() == 0:
         return FIXED_VALUE_READ
-    key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype)
+    key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype, values.numel().bit_length())
     return _fastest(key, {read: functools.partial(run, read) for read in VALUE_READS}, FIXED_VALUE_READ)
 
 
@@ -442,16 +444,16 @@ def _sddmm(
             )  # fmt: skip
         return out if dbias is None else (out, dbias)
 
-    return run(form or _sddmm_form(batch, n_out, dy_storage, bias_grad, run))
+    return run(form or _sddmm_form(batch, n_out, nnz, dy_storage, bias_grad, run))
 
 
-def _sddmm_form(batch: int, n_out: int, dy: Tensor, bias_grad: bool, run: Callable[[str], object]) -> str:
+def _sddmm_form(batch: int, n_out: int, nnz: int, dy: Tensor, bias_grad: bool, run: Callable[[str], object]) -> str:
     """The SDDMM form for this call: ``"segment"`` where :func:`spmm_form` would leave SMs idle with
     one program per output row; else the faster of the two, timed (:func:`_fastest`) per (batch
-    tile, dtype, bias gradient), ``"pointer"`` when not autotuning."""
+    tile, dtype, bias gradient, size class), ``"pointer"`` when not autotuning."""
     if spmm_form(batch, n_out, dy.device) == "segment":
         return "segment"
-    key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad)
+    key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad, nnz.bit_length())
     return _fastest(key, {form: functools.partial(run, form) for form in ("segment", "pointer")}, "pointer")
 
 
