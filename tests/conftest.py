@@ -41,6 +41,22 @@ def dense_forward_and_grads(layer: snack.SparseLinear, x: torch.Tensor, grad_out
     return y.detach(), grads[0], dvalues, grads[2] if bias is not None else None
 
 
+def check_topology_invariants(layer: snack.SparseLinear, nnz: int) -> None:
+    """``layer`` holds ``nnz`` sorted, unique, in-range connections, and its cached topology data
+    was built from its current buffers."""
+    from snack.dst.prune_grow import linear_index
+
+    assert layer.nnz == nnz == layer.values.numel() == layer.col.numel()
+    key = linear_index(layer.topology)
+    assert bool((key[1:] > key[:-1]).all()), "sorted and unique"
+    assert int(layer.row.min()) >= 0 and int(layer.row.max()) < layer.out_features
+    assert int(layer.col.min()) >= 0 and int(layer.col.max()) < layer.in_features
+    topo = layer.topology
+    assert topo.row is layer.row and topo.col is layer.col, "cache built from the current buffers"
+    assert torch.equal(topo.rowptr.diff(), torch.bincount(layer.row.long(), minlength=layer.out_features).int())
+    assert torch.equal(layer.col[topo.csc_perm.long()], layer.col.sort().values)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

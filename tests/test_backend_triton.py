@@ -255,6 +255,43 @@ def test_torch_compile_runs_the_triton_kernels(monkeypatch):
     torch.testing.assert_close(grad_compiled, grad, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("algorithm", ["SET", "RigL"])
+def test_dynamic_sparse_training_runs_on_this_device(algorithm):
+    """SET and RigL rewire a sparsified MLP on this device (a GPU in benchmarks/gpu_check.sh): the
+    update's own ops (sampling, RigL's gradient scoring, optimizer-state remapping) run there, and
+    the kernels keep training on the new topologies."""
+    from torch import nn
+
+    from conftest import check_topology_invariants
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)).to(DEVICE)
+    model = snack.sparsify(net, 0.7)
+    layers = [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+    nnz = [layer.nnz for layer in layers]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dst = getattr(snack.dst, algorithm)(
+        model, opt, drop_fraction=0.3, update_every=2, total_steps=6, stop_fraction=1.0, schedule="constant"
+    )
+    before = [layer.indices().clone() for layer in layers]
+    x = torch.randn(8, 12, device=DEVICE)
+    target = torch.randint(0, 3, (8,), device=DEVICE)
+    changed = 0
+    with snack.use_backend("triton"):
+        for _ in range(6):
+            loss = nn.functional.cross_entropy(model(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            changed += dst.step()
+    assert changed == 3 and torch.isfinite(loss)
+    for layer, n, old in zip(layers, nnz, before):
+        assert layer.values.device.type == torch.device(DEVICE).type
+        check_topology_invariants(layer, n)
+        assert opt.state[layer.values]["exp_avg"].shape == (n,)
+        assert not torch.equal(layer.indices(), old), "rewired"
+
+
 @pytest.mark.parametrize("input_shape", [(5, 17), (2, 3, 17), (1, 17)])
 def test_sparse_linear_forward_backward_matches_reference(input_shape):
     torch.manual_seed(0)

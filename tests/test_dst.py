@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import snack
+from conftest import check_topology_invariants
 from snack.dst.prune_grow import linear_index
 
 
@@ -39,18 +40,6 @@ def _train(model, opt, dst, batches):
     return changed
 
 
-def _check_invariants(layer, nnz):
-    assert layer.nnz == nnz == layer.values.numel() == layer.col.numel()
-    key = linear_index(layer.topology)
-    assert bool((key[1:] > key[:-1]).all()), "sorted and unique"
-    assert int(layer.row.min()) >= 0 and int(layer.row.max()) < layer.out_features
-    assert int(layer.col.min()) >= 0 and int(layer.col.max()) < layer.in_features
-    topo = layer.topology
-    assert topo.row is layer.row and topo.col is layer.col, "cache built from the current buffers"
-    assert torch.equal(topo.rowptr.diff(), torch.bincount(layer.row.long(), minlength=layer.out_features).int())
-    assert torch.equal(layer.col[topo.csc_perm.long()], layer.col.sort().values)
-
-
 @pytest.mark.parametrize(
     "algorithm, options",
     [(snack.dst.SET, {}), (snack.dst.SET, {"split_sign": True, "grow_init": "random"}), (snack.dst.RigL, {})],
@@ -66,7 +55,7 @@ def test_invariants_hold_after_many_updates(algorithm, options):
     )
     assert _train(model, opt, dst, _batches(80)) == 40
     for layer, n in zip(layers, nnz):
-        _check_invariants(layer, n)
+        check_topology_invariants(layer, n)
         assert opt.state[layer.values]["exp_avg"].shape == (n,)
 
 
@@ -372,7 +361,7 @@ def test_gradual_pruning_follows_the_cubic_schedule():
         _train(model, opt, gp, [(x, y)])
         ratio = (1 - gp.sparsity(5 * (t // 5) if t <= 20 else 20)) / (1 - gp.initial_sparsity)
         for layer, n in zip(layers, initial):
-            _check_invariants(layer, max(1, round(n * ratio)))
+            check_topology_invariants(layer, max(1, round(n * ratio)))
             assert opt.state[layer.values]["exp_avg"].shape == (layer.nnz,)
     total = sum(m.out_features * m.in_features for m in layers)
     assert abs(1 - sum(m.nnz for m in layers) / total - 0.9) < 0.01
