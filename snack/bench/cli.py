@@ -20,6 +20,7 @@ from snack.backends import default_backend_name
 from snack.bench.harness import MODES, Grid, run_grid
 from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
+from snack.cli import device_argument, unavailable_device
 from snack.topology import check_sparsity
 
 __all__ = ["add_arguments", "run"]
@@ -53,16 +54,6 @@ def _sparsity(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _device(text: str) -> torch.device:
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {text!r}")
-    return device
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -79,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_positive, help=f"interleaved samples per variant and point (default {FULL['repeats']})")
     parser.add_argument("--quick", action="store_true",
                         help="a small grid for a check in about a minute (explicit options still override it)")
-    parser.add_argument("--device", type=_device, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--threads", type=_positive, help="CPU threads for every variant (default: torch's, all cores)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="output folder (default: benchmarks)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,8 +95,7 @@ def machine_line(device: torch.device) -> str:
 def run(args: argparse.Namespace) -> int:
     defaults = QUICK if args.quick else FULL
     device = args.device
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("snack bench: --device cuda but CUDA is not available", file=sys.stderr)
+    if unavailable_device("bench", device):
         return 2
     grid = Grid(
         sizes=tuple(args.sizes or [_size(s) for s in defaults["sizes"]]),
