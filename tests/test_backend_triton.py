@@ -292,6 +292,25 @@ def test_dynamic_sparse_training_runs_on_this_device(algorithm):
         assert not torch.equal(layer.indices(), old), "rewired"
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh runs this on one)")
+def test_a_graphed_layer_trains_like_the_eager_one():
+    """``torch.cuda.make_graphed_callables`` captures the layer's forward and backward (after its
+    warm-up calls, which autotune and time the variants); replays with new inputs give the eager
+    layer's output and gradients."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(300, 280, sparsity=0.9).to(DEVICE)
+    graphed = torch.cuda.make_graphed_callables(layer, (torch.randn(8, 300, device=DEVICE, requires_grad=True),))
+    for _ in range(3):
+        x = torch.randn(8, 300, device=DEVICE, requires_grad=True)
+        grad_out = torch.randn(8, 280, device=DEVICE)
+        results = []
+        for module in (graphed, layer):
+            y = module(x)
+            results.append((y.detach(), *torch.autograd.grad(y, [x, layer.values, layer.bias], grad_out)))
+        for got, expected in zip(*results):
+            torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("input_shape", [(5, 17), (2, 3, 17), (1, 17)])
 def test_sparse_linear_forward_backward_matches_reference(input_shape):
     torch.manual_seed(0)
