@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
-from snack.ops import _sparse_linear
+from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
 
 __all__ = ["SparseLinear", "densify", "sparsify"]
@@ -208,11 +208,13 @@ class SparseLinear(nn.Module):
                 f"SparseLinear(in_features={self.in_features}): input must have shape (*, {self.in_features}), "
                 f"got {tuple(input.shape)}"
             )
-        if input.dtype != self.values.dtype:
-            raise TypeError(f"SparseLinear: input dtype {input.dtype} does not match the layer's {self.values.dtype}")
         if input.device != self.values.device:
             raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
-        return _sparse_linear(input, self.values, self.topology, self.bias)
+        x, values, bias = autocast_inputs(input, self.values, self.bias)
+        if x.dtype != values.dtype:
+            under = " under autocast" if values is not self.values else ""
+            raise TypeError(f"SparseLinear: input dtype {x.dtype} does not match the layer's {values.dtype}{under}")
+        return _sparse_linear(x, values, self.topology, bias)
 
     # ------------------------------------------------------------------ conversion
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from snack import backends
 from snack.topology import Topology, TopologyTensors
 
-__all__ = ["sddmm", "sparse_linear", "spmm", "spmm_t"]
+__all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
 
 
 def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors) -> None:
@@ -321,12 +321,30 @@ def _check_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
         )
 
 
+def autocast_inputs(x: Tensor, values: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(x, values, bias)`` as ``torch.autocast`` treats ``nn.Linear``'s: inside an autocast
+    region for ``x``'s device, every floating tensor but float64 in the region's dtype (a cast
+    of ``values`` is ``(nnz,)``; its gradient flows back to the full-precision ``values``);
+    outside one, unchanged."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, values, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: Tensor | None) -> Tensor | None:
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return cast(x), cast(values), cast(bias)
+
+
 def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None = None) -> Tensor:
     """Functional form of :class:`snack.SparseLinear`: ``x (*, in)`` → ``(*, out)``, ``y = x·Wᵀ + b``.
 
     ``values``: ``(nnz,)``; ``bias``: ``(out,)`` or ``None``, both with ``x``'s floating dtype
-    and device. Differentiable in ``x``, ``values`` and ``bias`` (to any order).
+    and device (inside ``torch.autocast``, in the region's dtype after :func:`autocast_inputs`).
+    Differentiable in ``x``, ``values`` and ``bias`` (to any order).
     """
+    x, values, bias = autocast_inputs(x, values, bias)
     _check_linear(x, values, topology, bias)
     return _sparse_linear(x, values, topology, bias)
 

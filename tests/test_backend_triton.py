@@ -292,6 +292,24 @@ def test_dynamic_sparse_training_runs_on_this_device(algorithm):
         assert not torch.equal(layer.indices(), old), "rewired"
 
 
+def test_autocast_runs_the_kernels_in_half_precision():
+    """Mixed-precision training as on a GPU: inside ``torch.autocast`` the Triton kernels run in
+    bfloat16, and the float32 parameters get the reference backend's gradients."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
+    x = torch.randn(6, 17, device=DEVICE)
+    results = {}
+    for backend in ("triton", "reference"):
+        layer.zero_grad()
+        with snack.use_backend(backend), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+            y = layer(x)
+            y.float().square().sum().backward()
+        results[backend] = (y, layer.values.grad, layer.bias.grad)
+    assert results["triton"][0].dtype == torch.bfloat16 and results["triton"][1].dtype == torch.float32
+    for got, expected in zip(results["triton"], results["reference"]):
+        torch.testing.assert_close(got.float(), expected.float(), **TOL[torch.bfloat16])
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh runs this on one)")
 def test_a_graphed_layer_trains_like_the_eager_one():
     """``torch.cuda.make_graphed_callables`` captures the layer's forward and backward (after its

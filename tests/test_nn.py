@@ -349,3 +349,52 @@ def test_sparsify_gpt2_conv1d():
     assert isinstance(model.lm_head, nn.Linear)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_model(dtype=torch.float32) -> nn.Module:
+    """nn.Linear → ReLU → SparseLinear, the way a partly sparsified model mixes them."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(10, 12), nn.ReLU(), SparseLinear(12, 7, sparsity=0.6)).to(dtype)
+
+
+def test_autocast_runs_the_layer_in_the_regions_dtype_like_nn_linear():
+    """Inside ``torch.autocast`` the layer computes in bfloat16 as ``nn.Linear`` does (its input
+    comes from one in bfloat16); the gradients reach the float32 parameters. Checked against the
+    same model with a dense masked weight in place of the sparse layer, under the same autocast."""
+    model = _mixed_model()
+    sparse = model[2]
+    dense = nn.Sequential(model[0], model[1], nn.Linear(12, 7))
+    with torch.no_grad():
+        dense[2].weight.copy_(sparse.to_dense())
+        dense[2].bias.copy_(sparse.bias)
+    x = torch.randn(5, 10)
+    outputs = []
+    for net in (model, dense):
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs.append(net(x))
+        outputs[-1].float().square().sum().backward()
+    y, y_dense = outputs
+    dvalues, dbias = sparse.values.grad, sparse.bias.grad
+    dvalues_dense = dense[2].weight.grad[sparse.row.long(), sparse.col.long()]
+    dbias_dense = dense[2].bias.grad
+    assert y.dtype == torch.bfloat16 and sparse.values.dtype == dvalues.dtype == torch.float32
+    tol = dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(y.float(), y_dense.float(), **tol)
+    torch.testing.assert_close(dvalues, dvalues_dense, **tol)
+    torch.testing.assert_close(dbias, dbias_dense, **tol)
+
+
+def test_autocast_leaves_float64_alone_and_mismatches_still_fail():
+    layer = make_layer(7, 12, 0.6)  # float64, as autocast leaves nn.Linear's float64
+    x = torch.randn(3, 12, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        functional = snack.ops.sparse_linear(x, layer.values, layer.topology, layer.bias)
+    assert y.dtype == functional.dtype == torch.float64
+    torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="does not match the layer's torch.bfloat16 under autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _mixed_model()[2](x)  # a float64 input stays float64; the float32 layer goes to bfloat16
+    with pytest.raises(TypeError, match="does not match the layer's torch.float32$"):
+        _mixed_model()[2](x)
