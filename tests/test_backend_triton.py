@@ -527,6 +527,20 @@ def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypat
     assert len(fake_timing.shapes) == 4 and ("k", 3) not in tb._PICKED
 
 
+def test_fastest_leaves_out_a_variant_that_fails_and_raises_if_all_do(fake_timing):
+    fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
+
+    def broken():
+        raise RuntimeError("no kernel image for this GPU")
+
+    with pytest.warns(RuntimeWarning, match="variant 'a' failed .*no kernel image.*; using 'b'"):
+        assert tb._fastest(("k", 1), {"a": broken, "b": lambda: torch.zeros(3)}, "a") == "b"
+    assert tb._fastest(("k", 1), {"a": broken, "b": broken}, "a") == "b"  # remembered, not retimed
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        tb._fastest(("k", 2), {"a": broken, "b": broken}, "a")
+    assert ("k", 2) not in tb._PICKED
+
+
 def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
     """Keyed by (form, batch tile, dtype, size class); an empty product takes the fixed read
     untimed."""

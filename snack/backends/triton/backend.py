@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -231,7 +232,9 @@ def _launch(name: str, grid, *args, **constexprs) -> None:
 def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
     """The name of the fastest of ``runs`` (each computing the same product, allocation included),
     timed on the first call of ``key`` on a GPU and remembered; ``default`` when not autotuning,
-    and during CUDA-graph capture (timing would break it). The callers' keys hold the batch tile,
+    and during CUDA-graph capture (timing would break it). A variant that raises while timed (say,
+    one that does not compile for this GPU) is left out with a ``RuntimeWarning``; if all raise,
+    the first error propagates. The callers' keys hold the batch tile,
     the dtype and ``nnz.bit_length()``: whether the weight fits in L2 may change the winner, so
     layers whose sizes differ by more than 2× are timed apart."""
     if not AUTOTUNE:
@@ -242,7 +245,20 @@ def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) ->
             return default
         import triton.testing
 
-        times = {name: triton.testing.do_bench(run, warmup=5, rep=20) for name, run in runs.items()}
+        times, errors = {}, {}
+        for name, run in runs.items():
+            try:
+                times[name] = triton.testing.do_bench(run, warmup=5, rep=20)
+            except Exception as error:  # e.g. a variant that does not compile for this GPU
+                errors[name] = error
+        if not times:
+            raise next(iter(errors.values()))
+        for name, error in errors.items():
+            warnings.warn(
+                f"snack triton backend: variant {name!r} failed for {key} ({type(error).__name__}: {error}); "
+                f"using {min(times, key=times.get)!r}",
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
         picked = _PICKED[key] = min(times, key=times.get)
     return picked
 
