@@ -27,9 +27,10 @@ from snack import backends  # noqa: E402
 from snack.backends import reference  # noqa: E402
 from snack.backends import triton as triton_package  # noqa: E402
 from snack.backends.triton import backend as tb  # noqa: E402
+from snack.backends.triton import tuning  # noqa: E402
 from snack.topology import Topology, nnz_for_sparsity, random_coo  # noqa: E402
 
-if DEVICE == "cpu" and not tb.INTERPRETED:
+if DEVICE == "cpu" and not tuning.INTERPRETED:
     raise RuntimeError("snack's Triton kernels were imported before TRITON_INTERPRET=1 was set; run this module first")
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("SNACK_TEST_DEVICE=cuda but no CUDA device is available", allow_module_level=True)
@@ -79,10 +80,10 @@ def blocks(request, monkeypatch):
     several non-zero blocks, loop iterations and batch tiles, and the segment kernel's batch loop
     takes more than one step (two rows per program, and its grid capped at 2)."""
     if request.param == "small":
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
-        monkeypatch.setitem(tb.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
         monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
     return request.param
@@ -214,10 +215,10 @@ def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, bat
             return func(*args, **(kwargs or {}))
 
     launches = []
-    real_launch = tb._launch
-    monkeypatch.setattr(tb, "_launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
+    real_launch = tuning.launch
+    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
     monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as for a large layer on a GPU
-    monkeypatch.setattr(tb, "AUTOTUNE", False)  # on a GPU: the indirect value read, not a timed pick
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)  # on a GPU: the indirect value read, not a timed pick
     layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
     x = torch.randn(batch, 17, device=DEVICE, requires_grad=True)
 
@@ -239,8 +240,8 @@ def test_torch_compile_runs_the_triton_kernels(monkeypatch):
     """Under ``torch.compile(fullgraph=True)`` the layer is the custom ops, whose kernels call the
     Triton backend at run time: forward and gradients match the eager layer."""
     launches = []
-    real_launch = tb._launch
-    monkeypatch.setattr(tb, "_launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
+    real_launch = tuning.launch
+    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
     torch.manual_seed(0)
     layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
     x = torch.randn(5, 17, device=DEVICE)
@@ -404,7 +405,7 @@ def test_spmm_adds_the_bias(form, case, batch, blocks):
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, form, blocks, monkeypatch):
     monkeypatch.setattr(tb, "spmm_form", lambda *args: form)  # the transposed SpMM's and the SDDMM's
-    monkeypatch.setattr(tb, "AUTOTUNE", False)  # on a GPU: the pointer SDDMM, not a timed pick
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)  # on a GPU: the pointer SDDMM, not a timed pick
     topo, x, dy, values = _inputs(case, batch)
     got = tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad)
     expected = (reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo))
@@ -429,8 +430,8 @@ def test_rows_in_column_order_are_cached_and_follow_in_place_changes():
 
 @pytest.mark.parametrize("block_b", [1, 2, 4, 8, 16, 32, 64])
 def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
-    kept = tb._tile_configs_for(tb._TILE_CONFIGS, {}, BLOCK_B=block_b)
-    low, high = tb._TILE_ELEMENTS_PER_THREAD
+    kept = tuning.tile_configs_for(tuning.TILE_CONFIGS, {}, BLOCK_B=block_b)
+    low, high = tuning.TILE_ELEMENTS_PER_THREAD
     assert 1 <= len(kept) <= 16  # a first call per batch tile compiles each: seconds, not minutes
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
 
@@ -451,20 +452,20 @@ def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatc
             return run
 
     class FakeKernel:
-        arg_names = tb.kernels.pointer_spmm_kernel.arg_names
+        arg_names = tuning.kernels.pointer_spmm_kernel.arg_names
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append(("kernel", kwargs["BLOCK_B"], kwargs["BLOCK_K"], kwargs["num_warps"]))
 
-    monkeypatch.setitem(tb._TUNED, "pointer_spmm", FakeAutotuner())
-    monkeypatch.setitem(tb.kernels.KERNELS, "pointer_spmm", FakeKernel())
-    monkeypatch.setattr(tb, "_PICKED", {})
+    monkeypatch.setitem(tuning.TUNED, "pointer_spmm", FakeAutotuner())
+    monkeypatch.setitem(tuning.kernels.KERNELS, "pointer_spmm", FakeKernel())
+    monkeypatch.setattr(tuning, "PICKED", {})
     x = torch.zeros(2, 3)
     flags = dict(HAS_BIAS=False, INDIRECT_VALUES=False, WHILE_LOOP=False)
     for block_b in (1, 1, 2, 1):
-        tb._launch("pointer_spmm", (1, 1), x, **flags, BLOCK_B=block_b)
-    tb._launch("pointer_spmm", (1, 1), x.double(), **flags, BLOCK_B=1)  # new dtype: new key
-    tb._launch("pointer_spmm", (1, 1), x, **{**flags, "INDIRECT_VALUES": True}, BLOCK_B=1)  # another kernel variant
+        tuning.launch("pointer_spmm", (1, 1), x, **flags, BLOCK_B=block_b)
+    tuning.launch("pointer_spmm", (1, 1), x.double(), **flags, BLOCK_B=1)  # new dtype: new key
+    tuning.launch("pointer_spmm", (1, 1), x, **{**flags, "INDIRECT_VALUES": True}, BLOCK_B=1)  # another kernel variant
     assert calls == [
         ("autotuner", 1), ("kernel", 1, 32, 2), ("autotuner", 2), ("kernel", 1, 32, 2), ("autotuner", 1), ("autotuner", 1)
     ]  # fmt: skip
@@ -502,8 +503,8 @@ def fake_timing(monkeypatch):
         return timing.times[name]
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    monkeypatch.setattr(tb, "_PICKED", {})
-    monkeypatch.setattr(tb, "AUTOTUNE", True)
+    monkeypatch.setattr(tuning, "PICKED", {})
+    monkeypatch.setattr(tuning, "AUTOTUNE", True)
     return timing
 
 
@@ -513,18 +514,18 @@ def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypat
     default runs untimed."""
     fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
     runs = {"a": lambda: torch.zeros(2), "b": lambda: torch.zeros(3)}
-    assert tb._fastest(("k", 1), runs, "b") == "a"
+    assert tuning.fastest(("k", 1), runs, "b") == "a"
     assert fake_timing.shapes == [(2,), (3,)]
-    assert tb._fastest(("k", 1), runs, "b") == "a"  # remembered: no more timing
+    assert tuning.fastest(("k", 1), runs, "b") == "a"  # remembered: no more timing
     fake_timing.times["a"] = 9.0
-    assert tb._fastest(("k", 2), runs, "a") == "b"  # a new key is timed again
+    assert tuning.fastest(("k", 2), runs, "a") == "b"  # a new key is timed again
     assert len(fake_timing.shapes) == 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert tb._fastest(("k", 3), runs, "a") == "a"
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
-    assert tb._fastest(("k", 4), runs, "a") == "a"
-    assert len(fake_timing.shapes) == 4 and ("k", 3) not in tb._PICKED
+    assert tuning.fastest(("k", 3), runs, "a") == "a"
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)
+    assert tuning.fastest(("k", 4), runs, "a") == "a"
+    assert len(fake_timing.shapes) == 4 and ("k", 3) not in tuning.PICKED
 
 
 def test_fastest_leaves_out_a_variant_that_fails_and_raises_if_all_do(fake_timing):
@@ -534,11 +535,11 @@ def test_fastest_leaves_out_a_variant_that_fails_and_raises_if_all_do(fake_timin
         raise RuntimeError("no kernel image for this GPU")
 
     with pytest.warns(RuntimeWarning, match="variant 'a' failed .*no kernel image.*; using 'b'"):
-        assert tb._fastest(("k", 1), {"a": broken, "b": lambda: torch.zeros(3)}, "a") == "b"
-    assert tb._fastest(("k", 1), {"a": broken, "b": broken}, "a") == "b"  # remembered, not retimed
+        assert tuning.fastest(("k", 1), {"a": broken, "b": lambda: torch.zeros(3)}, "a") == "b"
+    assert tuning.fastest(("k", 1), {"a": broken, "b": broken}, "a") == "b"  # remembered, not retimed
     with pytest.raises(RuntimeError, match="no kernel image"):
-        tb._fastest(("k", 2), {"a": broken, "b": broken}, "a")
-    assert ("k", 2) not in tb._PICKED
+        tuning.fastest(("k", 2), {"a": broken, "b": broken}, "a")
+    assert ("k", 2) not in tuning.PICKED
 
 
 def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
@@ -569,8 +570,8 @@ def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
 def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch):
     fake_timing.names, fake_timing.times = ["segment", "pointer"], {"segment": 2.0, "pointer": 3.0}
     launched = []
-    real_launch = tb._launch
-    monkeypatch.setattr(tb, "_launch", lambda name, *a, **k: launched.append(name) or real_launch(name, *a, **k))
+    real_launch = tuning.launch
+    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launched.append(name) or real_launch(name, *a, **k))
     topo, x, dy, _ = _inputs("33x17", 3)
     expected = reference.sddmm(dy, x, topo)
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)  # 33 rows on 132 SMs: segment, untimed
@@ -579,7 +580,7 @@ def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch)
     launched.clear()
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)
     assert launched == ["segment_sddmm", "pointer_sddmm", "segment_sddmm"]  # timed both, ran the faster
-    monkeypatch.setattr(tb, "AUTOTUNE", False)
+    monkeypatch.setattr(tuning, "AUTOTUNE", False)
     launched.clear()
     tb.sddmm(dy, x, topo)
     assert launched == ["pointer_sddmm"]  # not autotuning: the pointer form

@@ -19,13 +19,14 @@ Which SpMM form runs (:func:`spmm_form`)
 Which SDDMM form runs (:func:`_sddmm_form`)
     The *segment* SDDMM runs programs along blocks of non-zeros, each loading ``dy[:, row_k]``
     and ``x[:, col_k]`` per non-zero. The *pointer* SDDMM runs one program per row: it reads
-    ``rowptr`` instead of ``row`` (4 bytes less per non-zero) and the row's ``dy`` once per batch
-    tile, not once per non-zero. Where the pointer grid would leave SMs idle (the SpMM rule, over
-    rows) the segment form runs; otherwise, on a GPU, the first call per (batch tile, dtype, bias
-    gradient, size class) times both and keeps the faster (:func:`_fastest`; not yet measured on a GPU:
-    ``kernel_bench`` reports both), and without autotuning the pointer form runs. In a training
-    step (``spmm_backward``) the SDDMM's launch also writes the bias gradient ``Σ_b dy[b, r]``:
-    each pointer program sums its row's ``dy``, the segment form adds programs for it.
+    ``rowptr`` instead of ``row`` (4 bytes less per non-zero) and the row's ``dy`` once (up to
+    batch 64), not once per non-zero. Where the pointer grid would leave SMs idle (the SpMM rule,
+    over rows) the segment form runs; otherwise, on a GPU, the first call per (batch tile, dtype,
+    bias gradient, size class) times both and keeps the faster (:func:`.tuning.fastest`; not yet
+    measured on a GPU: ``kernel_bench`` reports both), and without autotuning the pointer form
+    runs. In a training step (``spmm_backward``) the SDDMM's launch also writes the bias gradient
+    ``Σ_b dy[b, r]``: each pointer program sums its row's ``dy``, the segment form adds programs
+    for it.
 
 The transposed SpMM reads column-ordered copies
     ``dX = dY·W`` walks ``W`` by column. The kernels read the row (and, for the segment form, the
@@ -41,7 +42,7 @@ The transposed SpMM reads column-ordered copies
     ``"indirect"``, the kernel loads ``values[csc_perm[k]]`` itself: no extra pass, and the random
     value load runs beside the ``dy`` load instead of behind it (two dependent loads, not three).
     On a GPU the first call per (form, batch tile, dtype, size class) times both, each with its
-    own autotuned kernel, and keeps the faster (:func:`_fastest`); otherwise
+    own autotuned kernel, and keeps the faster (:func:`.tuning.fastest`); otherwise
     :data:`FIXED_VALUE_READ` runs.
 
 Layout
@@ -50,40 +51,25 @@ Layout
     copy costs ``B · n`` elements against the ``B · nnz`` gathered ones. ``BLOCK_B`` is ``B``
     rounded up to a power of two, at most ``MAX_BLOCK_B`` (64).
 
-Configs
-    On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
-    seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
-    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈ {1, …, 8}
-    (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at most 2048 elements with 2–16
-    per thread, which keep every lane busy without spilling registers (:func:`_tile_configs_for`):
-    6 to 15 configs per batch tile. The first H200 run's configs gave a 128-thread program a 32- or 64-wide tile at
-    batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²) found the fastest
-    pointer tiles well inside this space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8 and
-    4-16 at batch 16-64 (B=16: 11.2 µs against 16.3 µs for the best of the earlier space).
-    Under the interpreter (``TRITON_INTERPRET=1``), or with ``SNACK_TRITON_AUTOTUNE=0``, the fixed
-    :data:`FIXED_CONFIGS` run instead (``@triton.autotune`` cannot run in the interpreter).
+Configs and timed picks
+    Kernel configs (autotuned on a GPU, fixed otherwise), the launch path, and the first-call
+    timing that picks between competing variants live in :mod:`.tuning`.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from collections.abc import Callable
 
 import torch
-import triton
 from torch import Tensor
 
 from snack.backends.derived import derived
-from snack.backends.triton import kernels
+from snack.backends.triton import tuning
 from snack.topology import TopologyTensors
 
 __all__ = [
-    "AUTOTUNE",
-    "FIXED_CONFIGS",
     "FIXED_VALUE_READ",
-    "INTERPRETED",
     "derived_tensors",
     "sddmm",
     "spmm",
@@ -93,10 +79,6 @@ __all__ = [
     "supports",
     "VALUE_READS",
 ]
-
-# triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
-INTERPRETED = not isinstance(kernels.segment_sddmm_kernel, triton.runtime.JITFunction)
-AUTOTUNE = not INTERPRETED and os.environ.get("SNACK_TRITON_AUTOTUNE", "1") != "0"
 
 # Below this many pointer-form programs per SM the segment form runs (module docstring).
 MIN_POINTER_PROGRAMS_PER_SM = 2
@@ -110,13 +92,6 @@ _MAX_GRID_1 = 65535
 _SEGMENT_MAX_GRID_1 = _MAX_GRID_1  # its own name so tests can shrink it
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Used when not autotuning. Tests shrink them to cross block boundaries on small shapes.
-FIXED_CONFIGS: dict[str, dict[str, int]] = {
-    "segment_spmm": {"BLOCK_NNZ": 128, "ROWS_PER_PROGRAM": 1, "num_warps": 4},
-    "pointer_spmm": {"BLOCK_K": 64, "num_warps": 4},
-    "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
-    "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
-}
 # How the transposed SpMM reads the values in column order (module docstring).
 VALUE_READS = ("gathered", "indirect")
 # The read used when not autotuning: the one that needs no extra pass.
@@ -126,7 +101,7 @@ FIXED_VALUE_READ = "indirect"
 def supports(device: torch.device) -> bool:
     """CUDA devices always; CPU tensors only when the kernels were built for the interpreter."""
     device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and INTERPRETED)
+    return device.type == "cuda" or (device.type == "cpu" and tuning.INTERPRETED)
 
 
 @functools.cache
@@ -141,126 +116,6 @@ def spmm_form(batch: int, n_out: int, device: torch.device | str = "cuda") -> st
     ``n_out`` outputs on ``device`` (module docstring, *Which SpMM form runs*)."""
     programs = n_out * _cdiv(max(batch, 1), _block_b(max(batch, 1)))
     return "segment" if programs < MIN_POINTER_PROGRAMS_PER_SM * _sm_count(torch.device(device)) else "pointer"
-
-
-# ---------------------------------------------------------------- autotuning (GPU only)
-
-
-def _autotuned(kernel, configs, key, **options):
-    if not AUTOTUNE:
-        return None
-    # Short benchmarks per config: tuning happens on the first call of every new key.
-    bench = lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)  # noqa: E731
-    return triton.autotune(configs, key=key, do_bench=bench, **options)(kernel)
-
-
-_SEGMENT_CONFIGS = [
-    triton.Config({"BLOCK_NNZ": n, "ROWS_PER_PROGRAM": r}, num_warps=4) for n in (128, 256, 512) for r in (1, 4)
-]
-_TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (4, 8, 16, 32, 64, 128, 256) for w in (1, 2, 4, 8)]
-# Tile elements (BLOCK_B × BLOCK_K) per thread worth trying: fewer idle lanes, more spill registers.
-_TILE_ELEMENTS_PER_THREAD = (2, 16)
-# Largest tile: one program holds it twice in registers (the gathered operand and the accumulator).
-_MAX_TILE_ELEMENTS = 2048
-
-
-def _tile_configs_for(configs: list, named_args: dict, **kwargs) -> list:
-    """The tile configs worth timing for the call's ``BLOCK_B`` (an autotune ``early_config_prune``)."""
-    low, high = _TILE_ELEMENTS_PER_THREAD
-    block_b = kwargs["BLOCK_B"]
-    kept = [
-        c for c in configs
-        if low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high
-        and block_b * c.kwargs["BLOCK_K"] <= _MAX_TILE_ELEMENTS
-    ]  # fmt: skip
-    return kept or configs[:1]
-
-
-_TUNED = {
-    # The segment kernel accumulates into its output: every trial must start from zeros. Its batch
-    # is in the key: rows per program depend on it.
-    "segment_spmm": _autotuned(
-        kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, ["batch", "INDIRECT_VALUES"], reset_to_zero=["y_ptr"]
-    ),
-    "pointer_spmm": _autotuned(
-        kernels.pointer_spmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"],
-        prune_configs_by={"early_config_prune": _tile_configs_for},
-    ),  # fmt: skip
-    "segment_sddmm": _autotuned(
-        kernels.segment_sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD"],
-        prune_configs_by={"early_config_prune": _tile_configs_for},
-    ),
-    "pointer_sddmm": _autotuned(
-        kernels.pointer_sddmm_kernel, _TILE_CONFIGS, ["BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"],
-        prune_configs_by={"early_config_prune": _tile_configs_for},
-    ),  # fmt: skip
-}
-
-
-_AUTOTUNE_KEYS = {
-    "segment_spmm": ("batch", "INDIRECT_VALUES"),
-    "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
-    "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
-    "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
-}
-# (kernel name, autotune key values, dtype) -> the config the autotuner picked for them. Triton's
-# Autotuner rebuilds its key from every argument on each call: 31 µs of host time per launch on
-# the H200 machine against 17 µs for calling the kernel itself. So only a key's first call goes
-# through the autotuner; later ones launch the kernel directly with the picked config. It also
-# holds the variants :func:`_fastest` picked.
-_PICKED: dict[tuple, dict | str] = {}
-
-
-def _launch(name: str, grid, *args, **constexprs) -> None:
-    """Run kernel ``name`` with its autotuned config, else with ``FIXED_CONFIGS[name]``."""
-    kernel, tuned = kernels.KERNELS[name], _TUNED[name]
-    if tuned is None:
-        kernel[grid](*args, **constexprs, **FIXED_CONFIGS[name])
-        return
-    # the autotuner's key: the key arguments' values and the tensors' dtypes (the first tensor's
-    # fixes them all: the others share it or are int32 indices)
-    key_values = tuple(constexprs[k] if k in constexprs else args[kernel.arg_names.index(k)] for k in _AUTOTUNE_KEYS[name])
-    key = (name, key_values, args[0].dtype)
-    config = _PICKED.get(key)
-    if config is None:
-        tuned[grid](*args, **constexprs)
-        _PICKED[key] = tuned.best_config.all_kwargs()
-    else:
-        kernel[grid](*args, **constexprs, **config)
-
-
-def _fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
-    """The name of the fastest of ``runs`` (each computing the same product, allocation included),
-    timed on the first call of ``key`` on a GPU and remembered; ``default`` when not autotuning,
-    and during CUDA-graph capture (timing would break it). A variant that raises while timed (say,
-    one that does not compile for this GPU) is left out with a ``RuntimeWarning``; if all raise,
-    the first error propagates. The callers' keys hold the batch tile,
-    the dtype and ``nnz.bit_length()``: whether the weight fits in L2 may change the winner, so
-    layers whose sizes differ by more than 2× are timed apart."""
-    if not AUTOTUNE:
-        return default
-    picked = _PICKED.get(key)
-    if picked is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return default
-        import triton.testing
-
-        times, errors = {}, {}
-        for name, run in runs.items():
-            try:
-                times[name] = triton.testing.do_bench(run, warmup=5, rep=20)
-            except Exception as error:  # e.g. a variant that does not compile for this GPU
-                errors[name] = error
-        if not times:
-            raise next(iter(errors.values()))
-        for name, error in errors.items():
-            warnings.warn(
-                f"snack triton backend: variant {name!r} failed for {key} ({type(error).__name__}: {error}); "
-                f"using {min(times, key=times.get)!r}",
-                RuntimeWarning, stacklevel=2,
-            )  # fmt: skip
-        picked = _PICKED[key] = min(times, key=times.get)
-    return picked
 
 
 # ---------------------------------------------------------------- ops
@@ -318,7 +173,7 @@ def _segment_spmm(
             _cdiv(nnz, meta["BLOCK_NNZ"]),
             min(_cdiv(batch, meta["ROWS_PER_PROGRAM"]), _SEGMENT_MAX_GRID_1),
         )
-        _launch(
+        tuning.launch(
             "segment_spmm", grid,
             a, values, gather_index if value_index is None else value_index, seg_ptr, seg_index, gather_index, y,
             nnz, batch, n_out, a.shape[1], 1, INDIRECT_VALUES=value_index is not None,
@@ -339,11 +194,11 @@ def _pointer_spmm(
         grid = (n_out, _cdiv(batch, block_b))
         if grid[1] > _MAX_GRID_1:
             raise ValueError(f"snack triton backend: batch {batch} exceeds {_MAX_GRID_1 * block_b} rows per call")
-        _launch(
+        tuning.launch(
             "pointer_spmm", grid,
             a_storage, values, gather_index if value_index is None else value_index, seg_ptr, gather_index,
             y if bias is None else bias, y, batch, stride_ab, stride_ai, y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=INTERPRETED,
+            HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=tuning.INTERPRETED,
             BLOCK_B=block_b,
         )  # fmt: skip
     elif bias is not None:
@@ -403,12 +258,12 @@ def _spmm_t(
 
 def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tensor]) -> str:
     """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype, size class)
-    (``run(read)`` computes the product; :func:`_fastest`); :data:`FIXED_VALUE_READ` for an empty
-    product."""
+    (``run(read)`` computes the product; :func:`.tuning.fastest`); :data:`FIXED_VALUE_READ` for
+    an empty product."""
     if dy.shape[0] == 0 or values.numel() == 0:
         return FIXED_VALUE_READ
     key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype, values.numel().bit_length())
-    return _fastest(key, {read: functools.partial(run, read) for read in VALUE_READS}, FIXED_VALUE_READ)
+    return tuning.fastest(key, {read: functools.partial(run, read) for read in VALUE_READS}, FIXED_VALUE_READ)
 
 
 def spmm_t(
@@ -446,14 +301,14 @@ def _sddmm(
         dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
         dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused
         if form == "pointer":
-            _launch(
+            tuning.launch(
                 "pointer_sddmm", (n_out,),
                 dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
-                BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=INTERPRETED, BLOCK_B=block_b,
+                BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=block_b,
             )  # fmt: skip
         else:  # blocks of non-zeros, then (bias_grad) blocks of outputs
             grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + bias_grad * _cdiv(n_out, meta["BLOCK_K"]),)  # noqa: E731
-            _launch(
+            tuning.launch(
                 "segment_sddmm", grid,
                 dy_storage, x_storage, topo.row, topo.col, out, dbias_arg, nnz, batch, n_out, *dy_strides, *x_strides,
                 BIAS_GRAD=bias_grad, BLOCK_B=block_b,
@@ -465,12 +320,12 @@ def _sddmm(
 
 def _sddmm_form(batch: int, n_out: int, nnz: int, dy: Tensor, bias_grad: bool, run: Callable[[str], object]) -> str:
     """The SDDMM form for this call: ``"segment"`` where :func:`spmm_form` would leave SMs idle with
-    one program per output row; else the faster of the two, timed (:func:`_fastest`) per (batch
-    tile, dtype, bias gradient, size class), ``"pointer"`` when not autotuning."""
+    one program per output row; else the faster of the two, timed (:func:`.tuning.fastest`) per
+    (batch tile, dtype, bias gradient, size class), ``"pointer"`` when not autotuning."""
     if spmm_form(batch, n_out, dy.device) == "segment":
         return "segment"
     key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad, nnz.bit_length())
-    return _fastest(key, {form: functools.partial(run, form) for form in ("segment", "pointer")}, "pointer")
+    return tuning.fastest(key, {form: functools.partial(run, form) for form in ("segment", "pointer")}, "pointer")
 
 
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:

@@ -7,7 +7,7 @@ Prints one line per kernel variant, dtype and architecture::
     segment_spmm               float32   sm_90  ok  15048 bytes
 
 and returns 1 if any fails (the error follows its line). Block sizes are the fixed configs of
-:mod:`snack.backends.triton.backend`.
+:mod:`snack.backends.triton.tuning`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[dict[str, str], dict[str, object]]:
     """Argument types and constexpr values of one kernel variant, as ``ASTSource`` takes them."""
-    from snack.backends.triton.backend import FIXED_CONFIGS
+    from snack.backends.triton.tuning import FIXED_CONFIGS
 
     t = _DTYPES[dtype]
     config = {k: v for k, v in FIXED_CONFIGS[kernel_name].items() if k != "num_warps"}
@@ -93,7 +93,7 @@ def compile_kernel(variant: str, dtype: str, arch: int):
     from triton.compiler import ASTSource
 
     from snack.backends.triton import kernels
-    from snack.backends.triton.backend import FIXED_CONFIGS
+    from snack.backends.triton.tuning import FIXED_CONFIGS
 
     _, kernel_name, flags = next(v for v in _VARIANTS if v[0] == variant)
     fn = kernels.KERNELS[kernel_name]

@@ -303,14 +303,14 @@ def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | 
 def _autotuned_configs() -> dict[str, dict[str, str]]:
     """kernel → {autotune key: the config it picked}, and the variants picked by timing (value
     reads, SDDMM forms) by key; empty without autotuning."""
-    from snack.backends.triton import backend as tb
+    from snack.backends.triton import tuning
 
     picks = {
         name: {str(key): str(config) for key, config in tuned.cache.items()}
-        for name, tuned in tb._TUNED.items()
+        for name, tuned in tuning.TUNED.items()
         if tuned is not None
     }
-    timed = {str(key): name for key, name in tb._PICKED.items() if isinstance(name, str)}
+    timed = {str(key): name for key, name in tuning.PICKED.items() if isinstance(name, str)}
     return {**picks, "timed picks": timed} if timed else picks
 
 
