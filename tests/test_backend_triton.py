@@ -159,6 +159,8 @@ def test_rejects_unsupported_dtype_and_form():
         tb.spmm(x.double(), values.double(), topo)
     with pytest.raises(ValueError, match="form must be"):
         tb.spmm(x, values, topo, form="dense")
+    with pytest.raises(ValueError, match="form must be"):
+        tb.sddmm(torch.zeros(2, 5, device=DEVICE), x, topo, form="dense")
 
 
 def test_supports_this_device():
