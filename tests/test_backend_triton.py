@@ -515,32 +515,38 @@ def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypat
     calls reuse the fastest; without autotuning, or while a CUDA graph is being captured, the
     default runs untimed."""
     fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
-    runs = {"a": lambda: torch.zeros(2), "b": lambda: torch.zeros(3)}
-    assert tuning.fastest(("k", 1), runs, "b") == "a"
+    run = {"a": lambda: torch.zeros(2), "b": lambda: torch.zeros(3)}.__getitem__
+    product = lambda name: run(name)()  # noqa: E731
+    assert tuning.fastest(("k", 1), ("a", "b"), product, "b") == "a"
     assert fake_timing.shapes == [(2,), (3,)]
-    assert tuning.fastest(("k", 1), runs, "b") == "a"  # remembered: no more timing
+    assert tuning.fastest(("k", 1), ("a", "b"), product, "b") == "a"  # remembered: no more timing
     fake_timing.times["a"] = 9.0
-    assert tuning.fastest(("k", 2), runs, "a") == "b"  # a new key is timed again
+    assert tuning.fastest(("k", 2), ("a", "b"), product, "a") == "b"  # a new key is timed again
     assert len(fake_timing.shapes) == 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert tuning.fastest(("k", 3), runs, "a") == "a"
+    assert tuning.fastest(("k", 3), ("a", "b"), product, "a") == "a"
     monkeypatch.setattr(tuning, "AUTOTUNE", False)
-    assert tuning.fastest(("k", 4), runs, "a") == "a"
+    assert tuning.fastest(("k", 4), ("a", "b"), product, "a") == "a"
     assert len(fake_timing.shapes) == 4 and ("k", 3) not in tuning.PICKED
 
 
 def test_fastest_leaves_out_a_variant_that_fails_and_raises_if_all_do(fake_timing):
     fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
 
-    def broken():
+    def only_b(name):
+        if name == "a":
+            raise RuntimeError("no kernel image for this GPU")
+        return torch.zeros(3)
+
+    def broken(name):
         raise RuntimeError("no kernel image for this GPU")
 
     with pytest.warns(RuntimeWarning, match="variant 'a' failed .*no kernel image.*; using 'b'"):
-        assert tuning.fastest(("k", 1), {"a": broken, "b": lambda: torch.zeros(3)}, "a") == "b"
-    assert tuning.fastest(("k", 1), {"a": broken, "b": broken}, "a") == "b"  # remembered, not retimed
+        assert tuning.fastest(("k", 1), ("a", "b"), only_b, "a") == "b"
+    assert tuning.fastest(("k", 1), ("a", "b"), broken, "a") == "b"  # remembered, not retimed
     with pytest.raises(RuntimeError, match="no kernel image"):
-        tuning.fastest(("k", 2), {"a": broken, "b": broken}, "a")
+        tuning.fastest(("k", 2), ("a", "b"), broken, "a")
     assert ("k", 2) not in tuning.PICKED
 
 

@@ -263,7 +263,7 @@ def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tens
     if dy.shape[0] == 0 or values.numel() == 0:
         return FIXED_VALUE_READ
     key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype, values.numel().bit_length())
-    return tuning.fastest(key, {read: functools.partial(run, read) for read in VALUE_READS}, FIXED_VALUE_READ)
+    return tuning.fastest(key, VALUE_READS, run, FIXED_VALUE_READ)
 
 
 def spmm_t(
@@ -325,7 +325,7 @@ def _sddmm_form(batch: int, n_out: int, nnz: int, dy: Tensor, bias_grad: bool, r
     if spmm_form(batch, n_out, dy.device) == "segment":
         return "segment"
     key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad, nnz.bit_length())
-    return tuning.fastest(key, {form: functools.partial(run, form) for form in ("segment", "pointer")}, "pointer")
+    return tuning.fastest(key, ("segment", "pointer"), run, "pointer")
 
 
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:

@@ -28,13 +28,13 @@ Timed picks (:func:`fastest`)
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
 
 import torch
 import triton
-from torch import Tensor
 
 from snack.backends.triton import kernels
 
@@ -127,12 +127,13 @@ def launch(name: str, grid, *args, **constexprs) -> None:
         kernel[grid](*args, **constexprs, **config)
 
 
-def fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> str:
-    """The name of the fastest of ``runs`` (each computing the same product, allocation included),
-    timed on the first call of ``key`` on a GPU (``do_bench``, cold caches, as the autotuner
-    times) and remembered; ``default`` when not autotuning, and during CUDA-graph capture (timing
-    would break it). A variant that raises while timed (say, one that does not compile for this
-    GPU) is left out with a ``RuntimeWarning``; if all raise, the first error propagates.
+def fastest(key: tuple, variants: tuple[str, ...], run: Callable[[str], object], default: str) -> str:
+    """The fastest of ``variants``, where ``run(variant)`` computes the product (allocation
+    included), timed on the first call of ``key`` on a GPU (``do_bench``, cold caches, as the
+    autotuner times) and remembered; ``default`` when not autotuning, and during CUDA-graph
+    capture (timing would break it). A variant that raises while timed (say, one that does not
+    compile for this GPU) is left out with a ``RuntimeWarning``; if all raise, the first error
+    propagates. A remembered pick costs one dict lookup: this runs on every call.
 
     The callers' keys hold the batch tile, the dtype and ``nnz.bit_length()``: whether the
     weight fits in L2 may change the winner, so layers whose sizes differ by more than 2× are
@@ -146,9 +147,9 @@ def fastest(key: tuple, runs: dict[str, Callable[[], Tensor]], default: str) -> 
         import triton.testing
 
         times, errors = {}, {}
-        for name, run in runs.items():
+        for name in variants:
             try:
-                times[name] = triton.testing.do_bench(run, warmup=5, rep=20)
+                times[name] = triton.testing.do_bench(functools.partial(run, name), warmup=5, rep=20)
             except Exception as error:  # e.g. a variant that does not compile for this GPU
                 errors[name] = error
         if not times:
