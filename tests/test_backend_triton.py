@@ -188,6 +188,33 @@ def test_the_backend_offers_the_whole_protocol():
         assert getattr(backend, name) is getattr(tb, name)
 
 
+def test_ops_run_with_their_tensors_cuda_device_current(monkeypatch):
+    """Triton launches on the current CUDA device: every op makes its tensors' device current
+    (a layer on cuda:1 while cuda:0 is current), and leaves a matching or CPU device alone."""
+    entered = []
+
+    class DeviceContext:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", DeviceContext)
+    fake = type("FakeTensor", (), {})()
+    op = tb._on_the_tensors_device(lambda a, *rest: entered.append("op") or "result")
+    for device in ("cuda:1", "cuda:0", "cpu"):
+        fake.device = torch.device(device)
+        assert op(fake, 2) == "result"
+    assert entered == [torch.device("cuda:1"), "op", "exit", "op", "op"]
+    for name in ("spmm", "spmm_t", "sddmm", "spmm_backward"):
+        assert getattr(tb, name).__wrapped__.__name__ == name
+
+
 def test_a_training_step_runs_the_fused_backward(monkeypatch):
     calls = []
     real = tb.spmm_backward

@@ -121,6 +121,23 @@ def spmm_form(batch: int, n_out: int, device: torch.device | str = "cuda") -> st
 # ---------------------------------------------------------------- ops
 
 
+def _on_the_tensors_device(op):
+    """``op`` run with its first argument's CUDA device current. Triton launches (and autotunes,
+    and allocates) on the *current* device, not on the tensors' as ATen ops do: without this, a
+    layer on ``cuda:1`` called while ``cuda:0`` is current would launch its kernels on the wrong
+    GPU."""
+
+    @functools.wraps(op)
+    def on_device(a: Tensor, *args, **kwargs):
+        device = a.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return op(a, *args, **kwargs)
+        return op(a, *args, **kwargs)
+
+    return on_device
+
+
 def _check_dtype(op: str, *tensors: Tensor) -> None:
     for t in tensors:
         if t.dtype not in _FLOAT_DTYPES:
@@ -211,6 +228,7 @@ def _check_form(form: str) -> None:
         raise ValueError(f"form must be 'segment' or 'pointer', got {form!r}")
 
 
+@_on_the_tensors_device
 def spmm(
     x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None, *, form: str | None = None
 ) -> Tensor:
@@ -266,6 +284,7 @@ def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tens
     return tuning.fastest(key, VALUE_READS, run, FIXED_VALUE_READ)
 
 
+@_on_the_tensors_device
 def spmm_t(
     dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None, value_read: str | None = None
 ) -> Tensor:
@@ -328,6 +347,7 @@ def _sddmm_form(batch: int, n_out: int, nnz: int, dy: Tensor, bias_grad: bool, r
     return tuning.fastest(key, ("segment", "pointer"), run, "pointer")
 
 
+@_on_the_tensors_device
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
     """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``: ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``.
 
@@ -339,6 +359,7 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = No
     return _sddmm(_batch_contiguous(dy), _batch_contiguous(x), dy.shape[0], topo, form=form)
 
 
+@_on_the_tensors_device
 def spmm_backward(
     dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False
 ) -> tuple[Tensor, ...]:
