@@ -398,3 +398,20 @@ def test_autocast_leaves_float64_alone_and_mismatches_still_fail():
             _mixed_model()[2](x)  # a float64 input stays float64; the float32 layer goes to bfloat16
     with pytest.raises(TypeError, match="does not match the layer's torch.float32$"):
         _mixed_model()[2](x)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_plain_gradients(use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    layer = make_layer(30, 20, 0.8)
+    x = torch.randn(4, 20, dtype=torch.float64)
+    grads = []
+    for checkpointed in (False, True):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = checkpoint(layer, xi, use_reentrant=use_reentrant) if checkpointed else layer(xi)
+        y.square().sum().backward()
+        grads.append((xi.grad, layer.values.grad.clone(), layer.bias.grad.clone()))
+    for got, expected in zip(*grads):
+        torch.testing.assert_close(got, expected)
