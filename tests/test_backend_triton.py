@@ -89,6 +89,15 @@ def blocks(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def launches(monkeypatch) -> list[str]:
+    """The names of the kernels launched while the test runs, in order (they still run)."""
+    names = []
+    real_launch = tuning.launch
+    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: names.append(name) or real_launch(name, *a, **k))
+    return names
+
+
 def _inputs(case: str, batch: int, dtype=torch.float32):
     topo = _topology(case).to(DEVICE)
     out_features, in_features = topo.shape
@@ -227,7 +236,7 @@ def test_a_training_step_runs_the_fused_backward(monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, batch):
+def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, batch, launches):
     """Every CUDA op costs 15-20 µs of host time on the H200 machine, more than the kernels at
     batch 1: the step runs the forward SpMM, the transposed SpMM (reading the values through
     csc_perm, no gather) and the SDDMM, which also sums the bias gradient; besides the kernels,
@@ -243,9 +252,6 @@ def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, bat
             self.seen.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    launches = []
-    real_launch = tuning.launch
-    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
     monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as for a large layer on a GPU
     monkeypatch.setattr(tuning, "AUTOTUNE", False)  # on a GPU: the indirect value read, not a timed pick
     layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
@@ -265,12 +271,9 @@ def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, bat
     assert ops.seen <= {"empty", "new_empty", "set_", "copy_", "t", "clone", "ones_like", "zeros"}, ops.seen
 
 
-def test_torch_compile_runs_the_triton_kernels(monkeypatch):
+def test_torch_compile_runs_the_triton_kernels(launches):
     """Under ``torch.compile(fullgraph=True)`` the layer is the custom ops, whose kernels call the
     Triton backend at run time: forward and gradients match the eager layer."""
-    launches = []
-    real_launch = tuning.launch
-    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launches.append(name) or real_launch(name, *a, **k))
     torch.manual_seed(0)
     layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
     x = torch.randn(5, 17, device=DEVICE)
@@ -602,20 +605,17 @@ def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
     assert fake_timing.shapes[2:] == [(3, 40), (3, 40)]
 
 
-def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch):
+def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch, launches):
     fake_timing.names, fake_timing.times = ["segment", "pointer"], {"segment": 2.0, "pointer": 3.0}
-    launched = []
-    real_launch = tuning.launch
-    monkeypatch.setattr(tuning, "launch", lambda name, *a, **k: launched.append(name) or real_launch(name, *a, **k))
     topo, x, dy, _ = _inputs("33x17", 3)
     expected = reference.sddmm(dy, x, topo)
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)  # 33 rows on 132 SMs: segment, untimed
-    assert launched == ["segment_sddmm"] and fake_timing.shapes == []
+    assert launches == ["segment_sddmm"] and fake_timing.shapes == []
     monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as if 33 rows filled the GPU
-    launched.clear()
+    launches.clear()
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)
-    assert launched == ["segment_sddmm", "pointer_sddmm", "segment_sddmm"]  # timed both, ran the faster
+    assert launches == ["segment_sddmm", "pointer_sddmm", "segment_sddmm"]  # timed both, ran the faster
     monkeypatch.setattr(tuning, "AUTOTUNE", False)
-    launched.clear()
+    launches.clear()
     tb.sddmm(dy, x, topo)
-    assert launched == ["pointer_sddmm"]  # not autotuning: the pointer form
+    assert launches == ["pointer_sddmm"]  # not autotuning: the pointer form
