@@ -10,10 +10,9 @@
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
 #   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer forms vs Dense+Mask,
 #   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
-#                        from CUDA graphs; the variants the backend picks by timing (value
-#                        reads of the transposed SpMM, SDDMM forms); a host profile of the eager
-#                        step; the autotuned configs and timed picks. Checks the autotuned
-#                        kernels against dense results first
+#                        from CUDA graphs; both SDDMM forms; a host profile of the eager step;
+#                        the autotuned configs. Checks the autotuned kernels against dense
+#                        results first
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)
@@ -67,8 +66,8 @@ step compile-check 40 "$OUTDIR/compile_check.txt" \
 step pytest 100 "$OUTDIR/pytest.txt" \
     env SNACK_TEST_DEVICE=cuda SNACK_TRITON_AUTOTUNE=0 "$PY" -m pytest tests/test_backend_triton.py -q -p no:cacheprovider
 
-# The first call per batch tile autotunes (compiles 6-15 configs per kernel and flag set), and
-# times the backend's variants against each other: most of this step.
+# The first call per batch tile autotunes (compiles 6-15 configs per kernel and flag set): most
+# of this step.
 step kernel-bench 180 "$OUTDIR/kernel_bench.txt" \
     "$PY" -m snack.backends.triton.kernel_bench --out "$OUTDIR/kernel_bench.json"
 

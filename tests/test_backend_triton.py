@@ -139,9 +139,8 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         got = tb.spmm(x, values, topo, form=form)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), reference.spmm(x32, values32, topo), **TOL[dtype])
-        for value_read in tb.VALUE_READS:
-            got = tb.spmm_t(dy, values, topo, form=form, value_read=value_read)
-            torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
+        got = tb.spmm_t(dy, values, topo, form=form)
+        torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
     for form in ("segment", "pointer"):
         got = tb.sddmm(dy, x, topo, form=form)
         assert got.dtype == dtype
@@ -253,7 +252,6 @@ def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, bat
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as for a large layer on a GPU
-    monkeypatch.setattr(tuning, "AUTOTUNE", False)  # on a GPU: the indirect value read, not a timed pick
     layer = snack.SparseLinear(17, 33, sparsity=0.7).to(DEVICE)
     x = torch.randn(batch, 17, device=DEVICE, requires_grad=True)
 
@@ -414,8 +412,8 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
-    variants = [(1, 20), (1, 20), (nnz,), (nnz,)]  # spmm_t[gathered], spmm_t[indirect], sddmm[segment], sddmm[pointer]
-    assert graph_shapes[2 * n_spmm + n_step - 6 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
+    variants = [(nnz,), (nnz,)]  # sddmm[segment], sddmm[pointer]
+    assert graph_shapes[2 * n_spmm + n_step - 4 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -437,7 +435,6 @@ def test_spmm_adds_the_bias(form, case, batch, blocks):
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, form, blocks, monkeypatch):
     monkeypatch.setattr(tb, "spmm_form", lambda *args: form)  # the transposed SpMM's and the SDDMM's
-    monkeypatch.setattr(tuning, "AUTOTUNE", False)  # on a GPU: the pointer SDDMM, not a timed pick
     topo, x, dy, values = _inputs(case, batch)
     got = tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad)
     expected = (reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo))
@@ -468,9 +465,11 @@ def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
 
 
-def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatch):
+@pytest.mark.parametrize("compiled_launch", [False, True])
+def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatch, compiled_launch):
     """On a GPU, only a key's first launch goes through the autotuner (its per-call key building
-    costs as much host time as the launch); later ones reuse the config it picked."""
+    costs as much host time as the launch); later ones reuse the config it picked, through
+    ``kernel[grid]`` or (Triton 3.6) the compiled kernel's launcher."""
     calls = []
 
     class FakeAutotuner:
@@ -483,15 +482,18 @@ def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatc
 
             return run
 
-    class FakeKernel:
-        arg_names = tuning.kernels.pointer_spmm_kernel.arg_names
+    def record(kwargs):
+        calls.append(("kernel", kwargs["BLOCK_B"], kwargs["BLOCK_K"], kwargs["num_warps"]))
 
+    class FakeKernel:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(("kernel", kwargs["BLOCK_B"], kwargs["BLOCK_K"], kwargs["num_warps"]))
+            return lambda *args, **kwargs: record(kwargs)
 
     monkeypatch.setitem(tuning.TUNED, "pointer_spmm", FakeAutotuner())
     monkeypatch.setitem(tuning.kernels.KERNELS, "pointer_spmm", FakeKernel())
     monkeypatch.setattr(tuning, "PICKED", {})
+    monkeypatch.setattr(tuning, "COMPILED_LAUNCH", compiled_launch)
+    monkeypatch.setattr(tuning, "_launch_compiled", lambda name, kernel, grid, args, kwargs: record(kwargs))
     x = torch.zeros(2, 3)
     flags = dict(HAS_BIAS=False, INDIRECT_VALUES=False, WHILE_LOOP=False)
     for block_b in (1, 1, 2, 1):
@@ -503,119 +505,73 @@ def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatc
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("value_read", tb.VALUE_READS)
-@pytest.mark.parametrize("form", ["segment", "pointer"])
-@pytest.mark.parametrize(("case", "batch"), CASES)
-def test_spmm_t_reads_values_either_way(value_read, form, case, batch, blocks):
-    topo, _, dy, values = _inputs(case, batch)
-    got = tb.spmm_t(dy, values, topo, form=form, value_read=value_read)
-    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo), **TOL[torch.float32])
+def test_compiled_launch_compiles_once_per_specialization_then_calls_the_launcher(monkeypatch):
+    """A launch goes through ``kernel[grid]`` (which compiles) once per specialization Triton's
+    binder computes and per launch options; later ones call the compiled kernel's launcher with
+    the grid evaluated on the bound arguments, the current device's stream, and every bound
+    argument in order. While a launch hook is set (a profiler), every launch goes through
+    ``kernel[grid]``."""
+    calls = []
+
+    class FakeCompiled:  # what kernel[grid](...) returns: Triton's CompiledKernel
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            calls.append(("launcher", *args))
+
+    def bind(a, n, BLOCK, **options):  # as Triton's binder: bound arguments, specialization, options
+        return {"a": a, "n": n, "BLOCK": BLOCK}, [("*fp32", "D"), ("i32", "D" if n % 16 == 0 else None)], options
+
+    class FakeKernel:
+        device_caches = {3: ({}, {}, "target", "backend", bind)}
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("kernel[grid]", args[1], kwargs["num_warps"]))
+                return FakeCompiled()
+
+            return run
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    monkeypatch.setattr(tuning, "_COMPILED", {})
+    kernel, a = FakeKernel(), object()
+    grid = lambda meta: (meta["n"] // meta["BLOCK"], 2)  # noqa: E731
+    for n, warps in ((32, 2), (64, 2), (33, 2), (64, 4), (48, 2)):
+        tuning._launch_compiled("k", kernel, grid, (a, n), {"BLOCK": 8, "num_warps": warps})
+    assert calls == [
+        ("kernel[grid]", 32, 2),  # first of its specialization: compiles
+        ("launcher", 8, 2, 1, 1003, "function", "metadata", None, None, None, a, 64, 8),  # n % 16 == 0 again
+        ("kernel[grid]", 33, 2),  # another specialization
+        ("kernel[grid]", 64, 4),  # other launch options
+        ("launcher", 6, 2, 1, 1003, "function", "metadata", None, None, None, a, 48, 8),
+    ]  # fmt: skip
+    monkeypatch.setattr(tuning, "_launch_hooks_set", lambda: True)
+    tuning._launch_compiled("k", kernel, grid, (a, 64), {"BLOCK": 8, "num_warps": 2})
+    assert calls[-1] == ("kernel[grid]", 64, 2)
 
 
-def test_spmm_t_rejects_an_unknown_value_read():
-    topo, _, dy, values = _inputs("5x7", 2)
-    with pytest.raises(ValueError, match="value_read must be one of"):
-        tb.spmm_t(dy, values, topo, value_read="scattered")
+def test_launch_hooks_are_seen_in_any_form(monkeypatch):
+    import triton
+
+    runtime = triton.knobs.runtime
+    assert not tuning._launch_hooks_set()  # Triton 3.6: empty hook chains
+    monkeypatch.setattr(runtime, "launch_enter_hook", lambda *args: None)
+    assert tuning._launch_hooks_set()
+    monkeypatch.setattr(runtime, "launch_enter_hook", None)
+    assert not tuning._launch_hooks_set()
+    chain = triton.knobs.HookChain()
+    chain.add(lambda *args: None)
+    monkeypatch.setattr(runtime, "launch_exit_hook", chain)
+    assert tuning._launch_hooks_set()
 
 
-@pytest.fixture
-def fake_timing(monkeypatch):
-    """``triton.testing.do_bench`` replaced: it calls the function once (recording its output's
-    shape) and returns ``times[name]`` for the variant named by its position in the call order,
-    ``names``; autotuning on, nothing picked yet."""
-    import triton.testing
-
-    timing = type("Timing", (), {})()
-    timing.shapes, timing.times, timing.names = [], {}, []
-
-    def fake_do_bench(fn, **kwargs):
-        name = timing.names[len(timing.shapes) % len(timing.names)]
-        result = fn()
-        timing.shapes.append(tuple((result[0] if isinstance(result, tuple) else result).shape))
-        return timing.times[name]
-
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    monkeypatch.setattr(tuning, "PICKED", {})
-    monkeypatch.setattr(tuning, "AUTOTUNE", True)
-    return timing
-
-
-def test_fastest_times_each_key_once_and_keeps_the_faster(fake_timing, monkeypatch):
-    """On a GPU the first call of a key times every variant (each computing the product) and later
-    calls reuse the fastest; without autotuning, or while a CUDA graph is being captured, the
-    default runs untimed."""
-    fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
-    run = {"a": lambda: torch.zeros(2), "b": lambda: torch.zeros(3)}.__getitem__
-    product = lambda name: run(name)()  # noqa: E731
-    assert tuning.fastest(("k", 1), ("a", "b"), product, "b") == "a"
-    assert fake_timing.shapes == [(2,), (3,)]
-    assert tuning.fastest(("k", 1), ("a", "b"), product, "b") == "a"  # remembered: no more timing
-    fake_timing.times["a"] = 9.0
-    assert tuning.fastest(("k", 2), ("a", "b"), product, "a") == "b"  # a new key is timed again
-    assert len(fake_timing.shapes) == 4
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert tuning.fastest(("k", 3), ("a", "b"), product, "a") == "a"
-    monkeypatch.setattr(tuning, "AUTOTUNE", False)
-    assert tuning.fastest(("k", 4), ("a", "b"), product, "a") == "a"
-    assert len(fake_timing.shapes) == 4 and ("k", 3) not in tuning.PICKED
-
-
-def test_fastest_leaves_out_a_variant_that_fails_and_raises_if_all_do(fake_timing):
-    fake_timing.names, fake_timing.times = ["a", "b"], {"a": 2.0, "b": 3.0}
-
-    def only_b(name):
-        if name == "a":
-            raise RuntimeError("no kernel image for this GPU")
-        return torch.zeros(3)
-
-    def broken(name):
-        raise RuntimeError("no kernel image for this GPU")
-
-    with pytest.warns(RuntimeWarning, match="variant 'a' failed .*no kernel image.*; using 'b'"):
-        assert tuning.fastest(("k", 1), ("a", "b"), only_b, "a") == "b"
-    assert tuning.fastest(("k", 1), ("a", "b"), broken, "a") == "b"  # remembered, not retimed
-    with pytest.raises(RuntimeError, match="no kernel image"):
-        tuning.fastest(("k", 2), ("a", "b"), broken, "a")
-    assert ("k", 2) not in tuning.PICKED
-
-
-def test_spmm_t_runs_the_value_read_timed_per_key(fake_timing, monkeypatch):
-    """Keyed by (form, batch tile, dtype, size class); an empty product takes the fixed read
-    untimed."""
-    fake_timing.names, fake_timing.times = list(tb.VALUE_READS), {"gathered": 2.0, "indirect": 3.0}
-    topo, _, dy, values = _inputs("33x17", 3)
-    used = []
-    real = tb._pointer_spmm
-    monkeypatch.setattr(tb, "_pointer_spmm", lambda *a, value_index=None, **k: used.append(value_index) or real(
-        *a, value_index=value_index, **k))  # fmt: skip
-    got = tb.spmm_t(dy, values, topo, form="pointer")
-    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo))
-    # timed: gathered, indirect; then the picked (gathered: values come pre-gathered, no index)
-    assert [index is None for index in used] == [True, False, True]
-    assert fake_timing.shapes == [(3, 17), (3, 17)]
-    tb.spmm_t(dy, values, topo, form="pointer")
-    assert len(fake_timing.shapes) == 2 and used[-1] is None
-    tb.spmm_t(dy[:0], values, topo, form="pointer")
-    assert used[-1] is topo.csc_perm  # FIXED_VALUE_READ, "indirect"
-    assert len(fake_timing.shapes) == 2
-    big_topo, _, big_dy, big_values = _inputs("64x40", 3)  # 256 non-zeros against 168: timed apart
-    assert big_values.numel().bit_length() != values.numel().bit_length()
-    tb.spmm_t(big_dy, big_values, big_topo, form="pointer")
-    assert fake_timing.shapes[2:] == [(3, 40), (3, 40)]
-
-
-def test_sddmm_form_is_segment_for_few_rows_else_timed(fake_timing, monkeypatch, launches):
-    fake_timing.names, fake_timing.times = ["segment", "pointer"], {"segment": 2.0, "pointer": 3.0}
+def test_sddmm_form_is_segment_for_few_rows_else_pointer(monkeypatch, launches):
     topo, x, dy, _ = _inputs("33x17", 3)
     expected = reference.sddmm(dy, x, topo)
-    torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)  # 33 rows on 132 SMs: segment, untimed
-    assert launches == ["segment_sddmm"] and fake_timing.shapes == []
+    torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)  # 33 rows on 132 SMs: segment
+    assert launches == ["segment_sddmm"]
     monkeypatch.setattr(tb, "spmm_form", lambda *args: "pointer")  # as if 33 rows filled the GPU
     launches.clear()
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)
-    assert launches == ["segment_sddmm", "pointer_sddmm", "segment_sddmm"]  # timed both, ran the faster
-    monkeypatch.setattr(tuning, "AUTOTUNE", False)
-    launches.clear()
-    tb.sddmm(dy, x, topo)
-    assert launches == ["pointer_sddmm"]  # not autotuning: the pointer form
+    assert launches == ["pointer_sddmm"]

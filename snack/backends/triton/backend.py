@@ -16,17 +16,16 @@ Which SpMM form runs (:func:`spmm_form`)
     10-wide classifier layer — where the segment form's parallelism along the non-zeros wins.
     The transposed SpMM makes the same choice over columns.
 
-Which SDDMM form runs (:func:`_sddmm_form`)
+Which SDDMM form runs
     The *segment* SDDMM runs programs along blocks of non-zeros, each loading ``dy[:, row_k]``
     and ``x[:, col_k]`` per non-zero. The *pointer* SDDMM runs one program per row: it reads
     ``rowptr`` instead of ``row`` (4 bytes less per non-zero) and the row's ``dy`` once (up to
-    batch 64), not once per non-zero. Where the pointer grid would leave SMs idle (the SpMM rule,
-    over rows) the segment form runs; otherwise, on a GPU, the first call per (batch tile, dtype,
-    bias gradient, size class) times both and keeps the faster (:func:`.tuning.fastest`; not yet
-    measured on a GPU: ``kernel_bench`` reports both), and without autotuning the pointer form
-    runs. In a training step (``spmm_backward``) the SDDMM's launch also writes the bias gradient
-    ``Σ_b dy[b, r]``: each pointer program sums its row's ``dy``, the segment form adds programs
-    for it.
+    batch 64), not once per non-zero. On the H200 (4096², 90%, ``benchmarks/gpu/kernel_bench.txt``)
+    the pointer form was faster at every batch measured (B=1: 5.5 µs vs 6.8 µs of GPU time;
+    B=32: 45.1 vs 51.7; bfloat16 alike), so it runs unless its grid would leave SMs idle (the
+    SpMM rule, over rows), where the segment form does. In a training step (``spmm_backward``)
+    the SDDMM's launch also writes the bias gradient ``Σ_b dy[b, r]``: each pointer program sums
+    its row's ``dy``, the segment form adds programs for it.
 
 The transposed SpMM reads column-ordered copies
     ``dX = dY·W`` walks ``W`` by column. The kernels read the row (and, for the segment form, the
@@ -35,15 +34,11 @@ The transposed SpMM reads column-ordered copies
     inside the kernel: a chain of three dependent loads per non-zero (``csc_perm`` → ``row`` →
     ``dy``), 36.7 µs at batch 1 (90%, 4096²) against 12.5 µs for the forward.
 
-    The values change every optimizer step, so they cannot be cached in column order. Two ways
-    to read them (:data:`VALUE_READS`): ``"gathered"``, ``values[csc_perm]`` by ``index_select``
-    before the kernel, which then reads them sequentially (H200, batch 1, 90%: 13.3 of the
-    transposed SpMM's 19.3 µs were that gather, and it is one more launch of host time); or
-    ``"indirect"``, the kernel loads ``values[csc_perm[k]]`` itself: no extra pass, and the random
-    value load runs beside the ``dy`` load instead of behind it (two dependent loads, not three).
-    On a GPU the first call per (form, batch tile, dtype, size class) times both, each with its
-    own autotuned kernel, and keeps the faster (:func:`.tuning.fastest`); otherwise
-    :data:`FIXED_VALUE_READ` runs.
+    The values change every optimizer step, so they cannot be cached in column order: the
+    kernels load ``values[csc_perm[k]]`` themselves (``INDIRECT_VALUES``), beside the ``dy``
+    load. Gathering ``values[csc_perm]`` in a pass of its own first was slower on the H200 at
+    every batch (B=1: 19.0 µs against 14.6 µs for the whole transposed SpMM, 90%, 4096²; B=32:
+    50.5 against 40.0) and cost one more launch of host time.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -51,15 +46,14 @@ Layout
     copy costs ``B · n`` elements against the ``B · nnz`` gathered ones. ``BLOCK_B`` is ``B``
     rounded up to a power of two, at most ``MAX_BLOCK_B`` (64).
 
-Configs and timed picks
-    Kernel configs (autotuned on a GPU, fixed otherwise), the launch path, and the first-call
-    timing that picks between competing variants live in :mod:`.tuning`.
+Configs and launches
+    Kernel configs (autotuned on a GPU, fixed otherwise) and the launch path live in
+    :mod:`.tuning`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -69,7 +63,6 @@ from snack.backends.triton import tuning
 from snack.topology import TopologyTensors
 
 __all__ = [
-    "FIXED_VALUE_READ",
     "derived_tensors",
     "sddmm",
     "spmm",
@@ -77,7 +70,6 @@ __all__ = [
     "spmm_form",
     "spmm_t",
     "supports",
-    "VALUE_READS",
 ]
 
 # Below this many pointer-form programs per SM the segment form runs (module docstring).
@@ -91,11 +83,6 @@ MAX_BLOCK_B = 64
 _MAX_GRID_1 = 65535
 _SEGMENT_MAX_GRID_1 = _MAX_GRID_1  # its own name so tests can shrink it
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# How the transposed SpMM reads the values in column order (module docstring).
-VALUE_READS = ("gathered", "indirect")
-# The read used when not autotuning: the one that needs no extra pass.
-FIXED_VALUE_READ = "indirect"
 
 
 def supports(device: torch.device) -> bool:
@@ -248,55 +235,28 @@ def spmm(
     return y if bias is None else y.add_(bias)
 
 
-def _spmm_t(
-    dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None,
-    value_read: str | None = None,
-) -> Tensor:  # fmt: skip
+def _spmm_t(dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None) -> Tensor:
     """:func:`spmm_t` with ``dy`` also given as :func:`_batch_contiguous` laid it out (what the
     pointer form reads; the segment form reads ``dy`` itself)."""
     n_in = topo.colptr.numel() - 1
     form = form or spmm_form(dy.shape[0], n_in, dy.device)
     _check_form(form)
-    if value_read is not None and value_read not in VALUE_READS:
-        raise ValueError(f"value_read must be one of {VALUE_READS}, got {value_read!r}")
     rows = _rows_in_column_order(topo)
-
-    def run(read: str) -> Tensor:
-        if read == "gathered":
-            by_column, value_index = values.index_select(0, topo.csc_perm), None  # int32 index: no conversion
-        else:
-            by_column, value_index = values, topo.csc_perm
-        if form == "pointer":
-            return _pointer_spmm(dy_layout, dy.shape[0], by_column, topo.colptr, rows, n_in, value_index=value_index)
-        cols = _cols_in_column_order(topo)
-        return _segment_spmm(dy, by_column, topo.colptr, cols, rows, n_in, value_index=value_index)
-
-    return run(value_read or _value_read(form, dy, values, run))
-
-
-def _value_read(form: str, dy: Tensor, values: Tensor, run: Callable[[str], Tensor]) -> str:
-    """The faster of :data:`VALUE_READS` for this call's (form, batch tile, dtype, size class)
-    (``run(read)`` computes the product; :func:`.tuning.fastest`); :data:`FIXED_VALUE_READ` for
-    an empty product."""
-    if dy.shape[0] == 0 or values.numel() == 0:
-        return FIXED_VALUE_READ
-    key = ("spmm_t values", form, _block_b(dy.shape[0]), dy.dtype, values.numel().bit_length())
-    return tuning.fastest(key, VALUE_READS, run, FIXED_VALUE_READ)
+    if form == "pointer":
+        return _pointer_spmm(dy_layout, dy.shape[0], values, topo.colptr, rows, n_in, value_index=topo.csc_perm)
+    cols = _cols_in_column_order(topo)
+    return _segment_spmm(dy, values, topo.colptr, cols, rows, n_in, value_index=topo.csc_perm)
 
 
 @_on_the_tensors_device
-def spmm_t(
-    dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None, value_read: str | None = None
-) -> Tensor:
+def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | None = None) -> Tensor:
     """``dX = dY·W``: ``dy (B, out)`` → ``(B, in)``, walking ``W`` by column (module docstring).
 
     Args:
         form: as for :func:`spmm`.
-        value_read: ``"gathered"`` or ``"indirect"`` to override how the values are read in column
-            order (module docstring; benchmarks, tests).
     """
     _check_dtype("spmm_t", dy, values)
-    return _spmm_t(_batch_contiguous(dy), dy, values, topo, form, value_read)
+    return _spmm_t(_batch_contiguous(dy), dy, values, topo, form)
 
 
 def _sddmm(
@@ -314,37 +274,24 @@ def _sddmm(
         out = dy_storage.new_zeros(nnz)
         return (out, dy_storage.new_zeros(n_out)) if bias_grad else out
     block_b = _block_b(batch)
-
-    def run(form: str) -> Tensor | tuple[Tensor, Tensor]:
-        out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
-        dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
-        dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused
-        if form == "pointer":
-            tuning.launch(
-                "pointer_sddmm", (n_out,),
-                dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
-                BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=block_b,
-            )  # fmt: skip
-        else:  # blocks of non-zeros, then (bias_grad) blocks of outputs
-            grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + bias_grad * _cdiv(n_out, meta["BLOCK_K"]),)  # noqa: E731
-            tuning.launch(
-                "segment_sddmm", grid,
-                dy_storage, x_storage, topo.row, topo.col, out, dbias_arg, nnz, batch, n_out, *dy_strides, *x_strides,
-                BIAS_GRAD=bias_grad, BLOCK_B=block_b,
-            )  # fmt: skip
-        return out if dbias is None else (out, dbias)
-
-    return run(form or _sddmm_form(batch, n_out, nnz, dy_storage, bias_grad, run))
-
-
-def _sddmm_form(batch: int, n_out: int, nnz: int, dy: Tensor, bias_grad: bool, run: Callable[[str], object]) -> str:
-    """The SDDMM form for this call: ``"segment"`` where :func:`spmm_form` would leave SMs idle with
-    one program per output row; else the faster of the two, timed (:func:`.tuning.fastest`) per
-    (batch tile, dtype, bias gradient, size class), ``"pointer"`` when not autotuning."""
-    if spmm_form(batch, n_out, dy.device) == "segment":
-        return "segment"
-    key = ("sddmm form", _block_b(batch), dy.dtype, bias_grad, nnz.bit_length())
-    return tuning.fastest(key, ("segment", "pointer"), run, "pointer")
+    form = form or spmm_form(batch, n_out, dy_storage.device)
+    out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
+    dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
+    dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused
+    if form == "pointer":
+        tuning.launch(
+            "pointer_sddmm", (n_out,),
+            dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
+            BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=block_b,
+        )  # fmt: skip
+    else:  # blocks of non-zeros, then (bias_grad) blocks of outputs
+        grid = lambda meta: (_cdiv(nnz, meta["BLOCK_K"]) + bias_grad * _cdiv(n_out, meta["BLOCK_K"]),)  # noqa: E731
+        tuning.launch(
+            "segment_sddmm", grid,
+            dy_storage, x_storage, topo.row, topo.col, out, dbias_arg, nnz, batch, n_out, *dy_strides, *x_strides,
+            BIAS_GRAD=bias_grad, BLOCK_B=block_b,
+        )  # fmt: skip
+    return out if dbias is None else (out, dbias)
 
 
 @_on_the_tensors_device
@@ -353,7 +300,7 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = No
 
     Args:
         form: ``"segment"`` (programs along blocks of non-zeros) or ``"pointer"`` (one program per
-            row) to override :func:`_sddmm_form` (benchmarks, tests).
+            row) to override the rule of the module docstring (benchmarks, tests).
     """
     _check_dtype("sddmm", dy, x)
     return _sddmm(_batch_contiguous(dy), _batch_contiguous(x), dy.shape[0], topo, form=form)

@@ -15,10 +15,8 @@ included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA gr
 And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
 from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the
-three dense matmuls) one by one, and the variants the backend picks between by timing on a first
-call: the transposed SpMM with each way of reading its values (``spmm_t[gathered]``,
-``spmm_t[indirect]``) and the two SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
-:mod:`.backend`). A profile of the eager step at the smallest batch (where host
+three dense matmuls) one by one, and both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``;
+see :mod:`.backend`, which runs the pointer form unless it would leave SMs idle). A profile of the eager step at the smallest batch (where host
 overhead decides) lists where the host time goes, and the configs the autotuner picked are
 recorded. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
@@ -40,9 +38,8 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
 # the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
-# the variants the backend times against each other: the transposed SpMM with each way of reading
-# the values in column order (backend.VALUE_READS), and the SDDMM's two forms
-_VARIANT_OPS = ["spmm_t[gathered]", "spmm_t[indirect]", "sddmm[segment]", "sddmm[pointer]"]
+# the SDDMM's two forms (the backend's rule between them is measured here)
+_VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]"]
 _WHOLE_STEPS = ["snack", "dense"]
 TRAIN_BATCHES = [1, 8, 32]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -126,8 +123,6 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
         "dense_dx": lambda: grad @ weight,
         "dense_dw": lambda: grad.t() @ x,
     }
-    for read in tb.VALUE_READS:
-        ops[f"spmm_t[{read}]"] = lambda read=read: tb.spmm_t(grad, values, tensors, value_read=read)
     for form in ("segment", "pointer"):
         ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
     assert list(ops)[len(_STEP_OPS) :] == _VARIANT_OPS
@@ -301,17 +296,14 @@ def benchmark(args: argparse.Namespace, device: torch.device, *, graphs: bool | 
 
 
 def _autotuned_configs() -> dict[str, dict[str, str]]:
-    """kernel → {autotune key: the config it picked}, and the variants picked by timing (value
-    reads, SDDMM forms) by key; empty without autotuning."""
+    """kernel → {autotune key: the config it picked}; empty without autotuning."""
     from snack.backends.triton import tuning
 
-    picks = {
+    return {
         name: {str(key): str(config) for key, config in tuned.cache.items()}
         for name, tuned in tuning.TUNED.items()
         if tuned is not None
     }
-    timed = {str(key): name for key, name in tuning.PICKED.items() if isinstance(name, str)}
-    return {**picks, "timed picks": timed} if timed else picks
 
 
 def _write_json(path: str, result: dict) -> None:
@@ -370,7 +362,7 @@ def print_tables(result: dict) -> None:
             f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
-    print("\nThe variants the backend times on a first call, from CUDA graphs (µs):")
+    print("\nThe SDDMM's two forms, from CUDA graphs (µs):")
     print(f"{'B':>3} " + " ".join(f"{op:>17}" for op in _VARIANT_OPS))
     for row in train["rows"]:
         g = row.get("graph_us", {})

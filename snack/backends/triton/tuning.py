@@ -1,4 +1,4 @@
-"""How the Triton kernels are configured, launched and picked between.
+"""How the Triton kernels are configured and launched.
 
 Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
@@ -15,35 +15,38 @@ Configs
     (``@triton.autotune`` cannot run in the interpreter).
 
 Launches (:func:`launch`)
-    Triton's Autotuner rebuilds its key from every argument on each call: 31 µs of host time per
-    launch on the H200 machine against 17 µs for calling the kernel itself. So only a key's
-    first call goes through the autotuner; later ones launch the kernel directly with the config
-    it picked (:data:`PICKED`).
-
-Timed picks (:func:`fastest`)
-    Where two implementations of a product compete (the backend's value reads and SDDMM forms),
-    the first call of a key on a GPU times each, computing the whole product, and keeps the
-    faster.
+    A launch through ``kernel[grid](...)`` costs host time that an eager layer at small batch
+    pays on every call: on the H200 machine 27 µs per launch through this module's old path
+    (31 µs through Triton's Autotuner, which rebuilds its key from every argument), against
+    7 µs for Triton's compiled launcher alone. So only a key's first call goes through the
+    autotuner (:data:`PICKED` keeps its config), and only a call's first launch with a given
+    specialization goes through ``kernel[grid]``: later ones call the compiled kernel's
+    launcher directly (:func:`_launch_compiled`). Triton's own binder still computes each
+    call's specialization (dtypes, 16-byte alignment of pointers, integers divisible by 16 or
+    equal to 1), which keys the compiled kernel, so a call never runs a kernel compiled for
+    another specialization. The launcher's calling convention is Triton's internal one, checked
+    against Triton 3.6 (the version on the GPU machine, and the ``dev`` pin): with another
+    version (:data:`COMPILED_LAUNCH` false), under the interpreter, or while Triton's launch
+    hooks are set (a profiler), every launch goes through ``kernel[grid]``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import warnings
-from collections.abc import Callable
 
 import torch
 import triton
 
 from snack.backends.triton import kernels
 
-__all__ = ["AUTOTUNE", "FIXED_CONFIGS", "INTERPRETED", "PICKED", "TILE_CONFIGS", "TUNED", "fastest", "launch",
-           "tile_configs_for"]  # fmt: skip
+__all__ = ["AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PICKED", "TILE_CONFIGS", "TUNED", "launch", "tile_configs_for"]
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
 INTERPRETED = not isinstance(kernels.segment_sddmm_kernel, triton.runtime.JITFunction)
 AUTOTUNE = not INTERPRETED and os.environ.get("SNACK_TRITON_AUTOTUNE", "1") != "0"
+
+# Whether launches may call compiled kernels' launchers directly (module docstring, *Launches*).
+COMPILED_LAUNCH = not INTERPRETED and triton.__version__.startswith("3.6.")
 
 # Used when not autotuning. Tests shrink them to cross block boundaries on small shapes.
 FIXED_CONFIGS: dict[str, dict[str, int]] = {
@@ -92,6 +95,12 @@ _AUTOTUNE_KEYS = {
     "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
     "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
 }
+# kernel name -> positions of its autotune key's non-constexpr arguments (none under the
+# interpreter, which does not autotune)
+_KEY_ARG_POSITIONS = {
+    name: tuple(i for i, p in enumerate(getattr(kernels.KERNELS[name], "params", ())) if p.name in keys and not p.is_constexpr)
+    for name, keys in _AUTOTUNE_KEYS.items()
+}
 _PRUNED = {"early_config_prune": tile_configs_for}
 # kernel name -> its autotuner, or None when not autotuning
 TUNED = {
@@ -104,61 +113,59 @@ TUNED = {
         for name in ("pointer_spmm", "segment_sddmm", "pointer_sddmm")
     },
 }
-# (kernel name, autotune key values, dtype) -> the config the autotuner picked for them (module
-# docstring, *Launches*); and the key of each timed pick -> the variant :func:`fastest` kept.
-PICKED: dict[tuple, dict | str] = {}
+# (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
+# config the autotuner picked for them (module docstring, *Launches*)
+PICKED: dict[tuple, dict] = {}
+# (kernel name, device, Triton's specialization of the call, launch options) -> the compiled kernel
+_COMPILED: dict[tuple, object] = {}
 
 
 def launch(name: str, grid, *args, **constexprs) -> None:
-    """Run kernel ``name`` with its autotuned config, else with ``FIXED_CONFIGS[name]``."""
+    """Run kernel ``name`` with its autotuned config, else with ``FIXED_CONFIGS[name]``.
+
+    ``grid``: a tuple, or a function of the bound arguments (config included) returning one, as
+    ``kernel[grid]`` takes it; ``args``: the kernel's positional arguments; ``constexprs``: its
+    flags and ``BLOCK_B``, not the config's."""
     kernel, tuned = kernels.KERNELS[name], TUNED[name]
     if tuned is None:
-        kernel[grid](*args, **constexprs, **FIXED_CONFIGS[name])
-        return
-    # the autotuner's key: the key arguments' values and the tensors' dtypes (the first tensor's
-    # fixes them all: the others share it or are int32 indices)
-    key_values = tuple(constexprs[k] if k in constexprs else args[kernel.arg_names.index(k)] for k in _AUTOTUNE_KEYS[name])
-    key = (name, key_values, args[0].dtype)
-    config = PICKED.get(key)
-    if config is None:
-        tuned[grid](*args, **constexprs)
-        PICKED[key] = tuned.best_config.all_kwargs()
+        config = FIXED_CONFIGS[name]
+    else:
+        # a finer key than the autotuner's (all the flags): one more first call at most
+        key = (name, args[0].dtype, *constexprs.values(), *(args[i] for i in _KEY_ARG_POSITIONS[name]))
+        config = PICKED.get(key)
+        if config is None:
+            tuned[grid](*args, **constexprs)
+            PICKED[key] = tuned.best_config.all_kwargs()
+            return
+    if COMPILED_LAUNCH:
+        _launch_compiled(name, kernel, grid, args, {**constexprs, **config})
     else:
         kernel[grid](*args, **constexprs, **config)
 
 
-def fastest(key: tuple, variants: tuple[str, ...], run: Callable[[str], object], default: str) -> str:
-    """The fastest of ``variants``, where ``run(variant)`` computes the product (allocation
-    included), timed on the first call of ``key`` on a GPU (``do_bench``, cold caches, as the
-    autotuner times) and remembered; ``default`` when not autotuning, and during CUDA-graph
-    capture (timing would break it). A variant that raises while timed (say, one that does not
-    compile for this GPU) is left out with a ``RuntimeWarning``; if all raise, the first error
-    propagates. A remembered pick costs one dict lookup: this runs on every call.
+def _launch_compiled(name: str, kernel, grid, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)`` on the current CUDA device and stream, through the
+    compiled kernel's launcher once ``kernel[grid]`` has compiled it for this specialization
+    (module docstring, *Launches*)."""
+    device = torch.cuda.current_device()
+    bind = kernel.device_caches[device][4]  # Triton's per-kernel argument binder
+    bound, specialization, options = bind(*args, **kwargs)
+    key = (name, device, tuple(specialization), tuple(options.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None or _launch_hooks_set():
+        _COMPILED[key] = kernel[grid](*args, **kwargs)
+        return
+    if callable(grid):
+        grid = grid(bound)
+    compiled.run(
+        grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+        None, None, None, *bound.values(),
+    )  # fmt: skip
 
-    The callers' keys hold the batch tile, the dtype and ``nnz.bit_length()``: whether the
-    weight fits in L2 may change the winner, so layers whose sizes differ by more than 2× are
-    timed apart."""
-    if not AUTOTUNE:
-        return default
-    picked = PICKED.get(key)
-    if picked is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return default
-        import triton.testing
 
-        times, errors = {}, {}
-        for name in variants:
-            try:
-                times[name] = triton.testing.do_bench(functools.partial(run, name), warmup=5, rep=20)
-            except Exception as error:  # e.g. a variant that does not compile for this GPU
-                errors[name] = error
-        if not times:
-            raise next(iter(errors.values()))
-        for name, error in errors.items():
-            warnings.warn(
-                f"snack triton backend: variant {name!r} failed for {key} ({type(error).__name__}: {error}); "
-                f"using {min(times, key=times.get)!r}",
-                RuntimeWarning, stacklevel=2,
-            )  # fmt: skip
-        picked = PICKED[key] = min(times, key=times.get)
-    return picked
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps them in ``HookChain``s; a plain function or
+    ``None`` may be assigned too)."""
+    runtime = triton.knobs.runtime
+    return any(getattr(hook, "calls", hook) for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
