@@ -4,10 +4,9 @@
 Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one
 output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
 (``dX = dY·W``, which the host hands over in column order: ``row`` and ``col`` gathered through
-``csc_perm`` and cached, so the kernels read them sequentially). The values of the transposed SpMM
-are either gathered into column order by the host too, or, with ``INDIRECT_VALUES``, read by the
-kernel at ``values[value_index[k]]`` (``value_index`` = ``csc_perm``): one random load per
-non-zero instead of a whole gather pass (see :mod:`.backend`). Every kernel multiplies and
+``csc_perm`` and cached, so the kernels read them sequentially). The transposed SpMM reads the
+values with ``INDIRECT_VALUES``, at ``values[value_index[k]]`` (``value_index`` = ``csc_perm``):
+one random load per non-zero instead of a gather pass before the kernel (see :mod:`.backend`). Every kernel multiplies and
 accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
