@@ -235,7 +235,9 @@ def spmm(
     return y if bias is None else y.add_(bias)
 
 
-def _spmm_t(dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None) -> Tensor:
+def _spmm_t(
+    dy_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor, topo: TopologyTensors, form: str | None
+) -> Tensor:
     """:func:`spmm_t` with ``dy`` also given as :func:`_batch_contiguous` laid it out (what the
     pointer form reads; the segment form reads ``dy`` itself)."""
     n_in = topo.colptr.numel() - 1

@@ -14,14 +14,14 @@ included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA gr
 
 And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
-from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the
-three dense matmuls) one by one, and both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``;
-see :mod:`.backend`, which runs the pointer form unless it would leave SMs idle). A profile of the eager step at the smallest batch (where host
-overhead decides) lists where the host time goes, and the configs the autotuner picked are
-recorded. Times are medians of
-``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense
-result first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
-activations once at the measured device-to-device copy bandwidth: how far a kernel is from its limit.
+from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the three
+dense matmuls) one by one, and both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
+:mod:`.backend`, which runs the pointer form unless it would leave SMs idle). A profile of the
+eager step at the smallest batch (where host overhead decides) lists where the host time goes, and
+the configs the autotuner picked are recorded. Times are medians of ``triton.testing.do_bench`` in
+microseconds; every snack output is checked against the dense result first. ``bw_limit_us`` is the
+time to stream the weight (values + int32 indices) and the activations once at the measured
+device-to-device copy bandwidth: how far a kernel is from its limit.
 """
 
 from __future__ import annotations

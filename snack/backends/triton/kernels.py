@@ -1,13 +1,13 @@
 """The Triton kernels of the three sparse ops (device code only; launches live in
 :mod:`snack.backends.triton.backend`).
 
-Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one
-output index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
+Notation: ``B`` batch, ``nnz`` non-zeros, a *segment* is the run of non-zeros that share one output
+index — a row of ``W`` for SpMM (``Y = X·Wᵀ``), a column of ``W`` for the transposed SpMM
 (``dX = dY·W``, which the host hands over in column order: ``row`` and ``col`` gathered through
 ``csc_perm`` and cached, so the kernels read them sequentially). The transposed SpMM reads the
 values with ``INDIRECT_VALUES``, at ``values[value_index[k]]`` (``value_index`` = ``csc_perm``):
-one random load per non-zero instead of a gather pass before the kernel (see :mod:`.backend`). Every kernel multiplies and
-accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
+one random load per non-zero instead of a gather pass before the kernel (see :mod:`.backend`).
+Every kernel multiplies and accumulates in float32 whatever the storage dtype (fp32, fp16, bf16).
 
 * :func:`segment_spmm_kernel` — the small-batch COO form: one program per (block of non-zeros,
   batch row — or a few rows, ``ROWS_PER_PROGRAM``). Non-zeros are sorted by segment, so inside a

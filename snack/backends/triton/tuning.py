@@ -41,7 +41,10 @@ import triton
 
 from snack.backends.triton import kernels
 
-__all__ = ["AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PICKED", "TILE_CONFIGS", "TUNED", "launch", "tile_configs_for"]
+__all__ = [
+    "AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PICKED", "TILE_CONFIGS", "TUNED", "launch",
+    "tile_configs_for",
+]  # fmt: skip
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
 INTERPRETED = not isinstance(kernels.segment_sddmm_kernel, triton.runtime.JITFunction)
@@ -100,7 +103,9 @@ _AUTOTUNE_KEYS = {
 # kernel name -> positions of its autotune key's non-constexpr arguments (none under the
 # interpreter, which does not autotune)
 _KEY_ARG_POSITIONS = {
-    name: tuple(i for i, p in enumerate(getattr(kernels.KERNELS[name], "params", ())) if p.name in keys and not p.is_constexpr)
+    name: tuple(
+        i for i, p in enumerate(getattr(kernels.KERNELS[name], "params", ())) if p.name in keys and not p.is_constexpr
+    )
     for name, keys in _AUTOTUNE_KEYS.items()
 }
 _PRUNED = {"early_config_prune": tile_configs_for}
