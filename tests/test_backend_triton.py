@@ -84,6 +84,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "rowwise_backward", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
         monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
     return request.param
@@ -149,6 +150,11 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         assert dvalues.dtype == dbias.dtype == dtype
         torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
         torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
+    dx, dvalues, dbias = tb.spmm_backward(dy, x, values, topo, bias_grad=True, walk="row")
+    assert dx.dtype == dvalues.dtype == dbias.dtype == dtype
+    torch.testing.assert_close(dx.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
+    torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
+    torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
 
 
 def test_form_heuristic():
@@ -412,8 +418,8 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
-    variants = [(nnz,), (nnz,)]  # sddmm[segment], sddmm[pointer]
-    assert graph_shapes[2 * n_spmm + n_step - 4 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
+    variants = [(nnz,), (nnz,), (1, 20), (1, 20)]  # sddmm[segment], sddmm[pointer], backward[column], backward[row]
+    assert graph_shapes[2 * n_spmm + n_step - 6 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -575,3 +581,59 @@ def test_sddmm_form_is_segment_for_few_rows_else_pointer(monkeypatch, launches):
     launches.clear()
     torch.testing.assert_close(tb.sddmm(dy, x, topo), expected)
     assert launches == ["pointer_sddmm"]
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_backward_walking_by_row_matches_the_reference(case, batch, bias_grad, blocks):
+    """One pass by row, ``dx`` by atomic adds: the same gradients as the column walk, for a batch
+    of at most one tile; a larger batch is refused."""
+    topo, x, dy, values = _inputs(case, batch)
+    if batch > tb.MAX_BLOCK_B:
+        with pytest.raises(ValueError, match=f"walk='row' takes a batch of at most {tb.MAX_BLOCK_B}, got {batch}"):
+            tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad, walk="row")
+        return
+    got = tb.spmm_backward(dy, x, values, topo, bias_grad=bias_grad, walk="row")
+    expected = (reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo))
+    expected += (dy.sum(0),) if bias_grad else ()
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g, e, **TOL[torch.float32])
+
+
+def test_spmm_backward_rejects_an_unknown_walk():
+    topo, x, dy, values = _inputs("5x7", 2)
+    with pytest.raises(ValueError, match=r"walk must be one of \('column', 'row'\), got 'diagonal'"):
+        tb.spmm_backward(dy, x, values, topo, walk="diagonal")
+
+
+@pytest.fixture
+def deterministic():
+    """Sets ``torch.use_deterministic_algorithms(*args, **kwargs)`` when called; the test's end
+    restores the mode it found."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield torch.use_deterministic_algorithms
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deterministic, launches):
+    """Under ``torch.use_deterministic_algorithms(True)``, as for PyTorch's own ops: the heuristic
+    picks the atomic-free forms; an atomic one asked for raises (or warns with ``warn_only``)."""
+    topo, x, dy, values = _inputs("33x17", 3)  # 33 rows: the segment forms otherwise
+    # the references first: on CUDA they may use ops that deterministic mode refuses
+    expected_y, expected_dx = reference.spmm(x, values, topo), reference.spmm_t(dy, values, topo)
+    assert tb.spmm_form(3, 33, DEVICE) == "segment"
+    deterministic(True)
+    assert tb.spmm_form(3, 33, DEVICE) == "pointer"
+    torch.testing.assert_close(tb.spmm(x, values, topo), expected_y)
+    dx, dvalues = tb.spmm_backward(dy, x, values, topo)
+    torch.testing.assert_close(dx, expected_dx)
+    assert launches and "segment_spmm" not in launches and "segment_sddmm" not in launches
+    with pytest.raises(RuntimeError, match=r"form='segment'.*use_deterministic_algorithms\(True\)"):
+        tb.spmm(x, values, topo, form="segment")
+    with pytest.raises(RuntimeError, match=r"walk='row'.*use_deterministic_algorithms\(True\)"):
+        tb.spmm_backward(dy, x, values, topo, walk="row")
+    deterministic(True, warn_only=True)
+    with pytest.warns(UserWarning, match=r"walk='row'"):
+        dx, _ = tb.spmm_backward(dy, x, values, topo, walk="row")
+    torch.testing.assert_close(dx, expected_dx)

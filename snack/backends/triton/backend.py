@@ -14,7 +14,10 @@ Which SpMM form runs (:func:`spmm_form`)
     4096 rows already give 31 programs per SM. So the pointer form runs unless its grid would
     leave SMs idle — fewer than ``MIN_POINTER_PROGRAMS_PER_SM`` programs per SM, as for a
     10-wide classifier layer — where the segment form's parallelism along the non-zeros wins.
-    The transposed SpMM makes the same choice over columns.
+    The transposed SpMM makes the same choice over columns. Under
+    ``torch.use_deterministic_algorithms(True)`` the pointer form always runs: the segment
+    form's atomic adds land in any order (asked for explicitly, it raises, as PyTorch's own
+    non-deterministic ops do).
 
 Which SDDMM form runs
     The *segment* SDDMM runs programs along blocks of non-zeros, each loading ``dy[:, row_k]``
@@ -40,6 +43,16 @@ The transposed SpMM reads column-ordered copies
     every batch (B=1: 19.0 µs against 14.6 µs for the whole transposed SpMM, 90%, 4096²; B=32:
     50.5 against 40.0) and cost one more launch of host time.
 
+The row walk (``spmm_backward(walk="row")``)
+    The transposed SpMM's random value reads cost most of a training step at small batch (H200,
+    B=1, 90%, 4096²: 14.7 of 26.8 µs, against 5.5 µs for the forward, which reads the values in
+    order). The row walk reads the values in order instead, in the SDDMM's own pass: each row's
+    program computes its ``dvalues`` and bias gradient as the pointer SDDMM does, and adds
+    ``dy[b, r] · values[k]`` into ``dx[b, col_k]`` by float32 atomic adds (``B`` per non-zero,
+    into a ``B × in`` accumulator that L2 holds), after a memset of ``dx``. Whether atomics beat
+    the random reads has not been measured on a GPU yet (``kernel_bench`` times both walks);
+    layers run the column walk until it has.
+
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
     transposed, ``(n, B)``, so the ``BLOCK_B`` values of one non-zero are one coalesced load; the
@@ -54,6 +67,7 @@ Configs and launches
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import Tensor
@@ -70,6 +84,7 @@ __all__ = [
     "spmm_form",
     "spmm_t",
     "supports",
+    "WALKS",
 ]
 
 # Below this many pointer-form programs per SM the segment form runs (module docstring).
@@ -79,6 +94,8 @@ _DEFAULT_SM_COUNT = 132
 TRANSPOSE_MIN_BATCH = 4
 # Largest batch tile of the pointer form and the SDDMM (accumulator BLOCK_B × BLOCK_K in registers).
 MAX_BLOCK_B = 64
+# How spmm_backward walks the weight (module docstring, *The row walk*).
+WALKS = ("column", "row")
 # CUDA caps grid axis 1 at 65535; the segment kernel strides over the rest of the batch.
 _MAX_GRID_1 = 65535
 _SEGMENT_MAX_GRID_1 = _MAX_GRID_1  # its own name so tests can shrink it
@@ -100,7 +117,11 @@ def _sm_count(device: torch.device) -> int:
 
 def spmm_form(batch: int, n_out: int, device: torch.device | str = "cuda") -> str:
     """``"segment"`` or ``"pointer"``: the SpMM form the heuristic picks for ``batch`` rows into
-    ``n_out`` outputs on ``device`` (module docstring, *Which SpMM form runs*)."""
+    ``n_out`` outputs on ``device`` (module docstring, *Which SpMM form runs*); always
+    ``"pointer"`` under ``torch.use_deterministic_algorithms(True)`` (the segment form's atomic
+    adds land in any order)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "pointer"
     programs = n_out * _cdiv(max(batch, 1), _block_b(max(batch, 1)))
     return "segment" if programs < MIN_POINTER_PROGRAMS_PER_SM * _sm_count(torch.device(device)) else "pointer"
 
@@ -123,6 +144,21 @@ def _on_the_tensors_device(op):
         return op(a, *args, **kwargs)
 
     return on_device
+
+
+def _alert_not_deterministic(caller: str) -> None:
+    """As PyTorch's own non-deterministic ops do: raise under
+    ``torch.use_deterministic_algorithms(True)``, warn with ``warn_only=True``."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"{caller} does not have a deterministic implementation (its atomic adds land in any order), but you set "
+        f"'torch.use_deterministic_algorithms(True)'"
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(message)
 
 
 def _check_dtype(op: str, *tensors: Tensor) -> None:
@@ -169,6 +205,7 @@ def _segment_spmm(
     value_index: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """``y (B, n_out)`` from ``a (B, n_in)``; ``values[value_index]`` when ``value_index`` is given."""
+    _alert_not_deterministic("snack's Triton segment SpMM (form='segment')")
     batch, nnz = a.shape[0], gather_index.numel()
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
     y = torch.zeros(batch, n_out, device=a.device, dtype=torch.float32)
@@ -310,15 +347,53 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = No
 
 @_on_the_tensors_device
 def spmm_backward(
-    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False
+    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False, walk: str = "column"
 ) -> tuple[Tensor, ...]:
     """``(spmm_t(dy, values), sddmm(dy, x))``, plus ``dy.sum(0)`` third when ``bias_grad``:
     ``dy (B, out)``, ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,)[, dbias (out,)])``.
 
-    Two launches, as :func:`spmm_t` and :func:`sddmm`, but ``dy`` is laid out (transposed) once
-    for both, and the bias gradient comes from the SDDMM's launch."""
+    Args:
+        walk: ``"column"`` (what layers run): two launches, as :func:`spmm_t` and :func:`sddmm`,
+            but ``dy`` is laid out (transposed) once for both, and the bias gradient comes from
+            the SDDMM's launch. ``"row"``: one pass by row for a batch of at most
+            ``MAX_BLOCK_B``, ``dx`` by atomic adds (module docstring, *The row walk*);
+            not bitwise reproducible, so it raises under
+            ``torch.use_deterministic_algorithms(True)``.
+    """
     _check_dtype("spmm_backward", dy, x, values)
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
     dy_layout = _batch_contiguous(dy)
+    if walk == "row":
+        grads = _rowwise_backward(dy_layout, _batch_contiguous(x), dy, values, topo, x.shape[1], bias_grad)
+        return grads if bias_grad else grads[:2]
     dx = _spmm_t(dy_layout, dy, values, topo, None)
     weight_grads = _sddmm(dy_layout, _batch_contiguous(x), dy.shape[0], topo, bias_grad)
     return (dx, *weight_grads) if bias_grad else (dx, weight_grads)
+
+
+def _rowwise_backward(
+    dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor,
+    topo: TopologyTensors, n_in: int, bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dx (B, n_in), dvalues (nnz,), dbias (n_out,))`` from one launch by row (``dbias``
+    computed only when ``bias_grad``, else uninitialised), after zeroing ``dx``'s float32
+    accumulator."""
+    batch, (dy_storage, *dy_strides), (x_storage, *x_strides) = dy.shape[0], dy_layout, x_layout
+    if batch > MAX_BLOCK_B:
+        raise ValueError(f"snack triton backend: walk='row' takes a batch of at most {MAX_BLOCK_B}, got {batch}")
+    _alert_not_deterministic("snack's Triton spmm_backward(walk='row')")
+    nnz, n_out = topo.col.numel(), topo.rowptr.numel() - 1
+    # float32 accumulator: half-precision atomics would round on every add
+    dx = torch.zeros(batch, n_in, device=dy.device, dtype=torch.float32)
+    dvalues = torch.empty(nnz, device=dy.device, dtype=dy.dtype)
+    dbias = torch.empty(n_out, device=dy.device, dtype=dy.dtype)
+    if batch == 0:
+        return dx.to(dy.dtype), dvalues.zero_(), dbias.zero_()
+    if n_out > 0:
+        tuning.launch(
+            "rowwise_backward", (n_out,),
+            dy_storage, x_storage, values, topo.rowptr, topo.col, dx, dvalues, dbias, batch, *dy_strides, *x_strides,
+            dx.stride(0), dx.stride(1), BIAS_GRAD=bias_grad, WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=_block_b(batch),
+        )  # fmt: skip
+    return dx.to(dy.dtype), dvalues, dbias

@@ -19,7 +19,7 @@ import traceback
 # (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
 # read values sequentially (forward) or through csc_perm (INDIRECT_VALUES: a transposed SpMM); the
 # pointer kernel adds the bias in its epilogue in a layer's forward; the SDDMM of a training step also
-# sums the bias gradient (BIAS_GRAD).
+# sums the bias gradient (BIAS_GRAD), as does the backward's row walk.
 _NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
     ("segment_spmm", "segment_spmm", _NO_FLAGS),
@@ -32,6 +32,8 @@ _VARIANTS = [
     ("pointer_sddmm", "pointer_sddmm", {"BIAS_GRAD": False, "SINGLE_TILE": True}),
     ("pointer_sddmm[bias]", "pointer_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": True}),
     ("pointer_sddmm[bias,tiles]", "pointer_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": False}),
+    ("rowwise_backward", "rowwise_backward", {"BIAS_GRAD": False}),
+    ("rowwise_backward[bias]", "rowwise_backward", {"BIAS_GRAD": True}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -69,9 +71,14 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
         pointers = {"dy_ptr": t, "x_ptr": t, "row_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
         scalars = ["nnz", "batch", "n_out", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
         constexprs = {**flags, "BLOCK_B": _BLOCK_B, **config}
-    else:
+    elif kernel_name == "pointer_sddmm":
         pointers = {"dy_ptr": t, "x_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
         scalars = ["batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
+        constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
+    else:  # rowwise_backward
+        pointers = {"dy_ptr": t, "x_ptr": t, "values_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "dx_ptr": "fp32",
+                    "dvalues_ptr": t, "bias_grad_ptr": t}  # fmt: skip
+        scalars = ["batch", "stride_db", "stride_dr", "stride_xb", "stride_xc", "stride_gb", "stride_gc"]
         constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
     types = {name: "*" + kind for name, kind in pointers.items()}
     types.update({name: "i32" for name in scalars})

@@ -15,13 +15,15 @@ included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA gr
 And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
 from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the three
-dense matmuls) one by one, and both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
-:mod:`.backend`, which runs the pointer form unless it would leave SMs idle). A profile of the
-eager step at the smallest batch (where host overhead decides) lists where the host time goes, and
-the configs the autotuner picked are recorded. Times are medians of ``triton.testing.do_bench`` in
-microseconds; every snack output is checked against the dense result first. ``bw_limit_us`` is the
-time to stream the weight (values + int32 indices) and the activations once at the measured
-device-to-device copy bandwidth: how far a kernel is from its limit.
+dense matmuls) one by one, both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
+:mod:`.backend`, which runs the pointer form unless it would leave SMs idle), and the step's whole
+backward walking the weight by column or by row (``backward[column]``, ``backward[row]``). A
+profile of the eager step at the smallest batch (where host overhead decides) lists where the host
+time goes, and the configs the autotuner picked are recorded. Times are medians of
+``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense result
+first. ``bw_limit_us`` is the time to stream the weight (values + int32 indices) and the
+activations once at the measured device-to-device copy bandwidth: how far a kernel is from its
+limit.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
 # the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
-# the SDDMM's two forms (the backend's rule between them is measured here)
-_VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]"]
+# the SDDMM's two forms (the backend's rule between them is measured here), and a training step's
+# whole backward (bias gradient included) walking the weight by column (what layers run: spmm_t +
+# SDDMM) or by row (one pass, dX by atomic adds; backend.spmm_backward's walk)
+_VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]", "backward[column]", "backward[row]"]
 _WHOLE_STEPS = ["snack", "dense"]
 TRAIN_BATCHES = [1, 8, 32]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -125,6 +129,10 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
     }
     for form in ("segment", "pointer"):
         ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
+    for walk in tb.WALKS:  # dX stands for the three gradients (a graph pass checks one output)
+        ops[f"backward[{walk}]"] = lambda walk=walk: tb.spmm_backward(
+            grad, x, values, tensors, bias_grad=True, walk=walk
+        )[0]
     assert list(ops)[len(_STEP_OPS) :] == _VARIANT_OPS
     return ops
 
@@ -172,8 +180,10 @@ def _spmm_rows(args, device, dtype, bandwidth):
 
 
 def _check_step(layer, x, grad, dtype) -> None:
-    """Gradients of a Triton-backend step against the reference backend; raises on a mismatch."""
+    """Gradients of a Triton-backend step, and of the backward's row walk, against the reference
+    backend; raises on a mismatch."""
     import snack
+    from snack.backends.triton import backend as tb
 
     results = {}
     for backend in ("triton", "reference"):
@@ -183,11 +193,17 @@ def _check_step(layer, x, grad, dtype) -> None:
             layer(xi).backward(grad)
         results[backend] = (xi.grad.float(), layer.values.grad.float())
     layer.zero_grad()
+    if x.shape[0] <= tb.MAX_BLOCK_B:
+        dx, dvalues = tb.spmm_backward(grad, x.detach(), layer.values.detach(), layer.topology.tensors(), walk="row")
+        results["row walk"] = (dx.float(), dvalues.float())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for name, got, expected in zip(("dX", "dvalues"), results["triton"], results["reference"]):
-        error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
-        if error > tol:
-            raise AssertionError(f"training step {name} at batch {x.shape[0]}: relative error {error:.2e} > {tol}")
+    for variant in results.keys() - {"reference"}:
+        for name, got, expected in zip(("dX", "dvalues"), results[variant], results["reference"]):
+            error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+            if error > tol:
+                raise AssertionError(
+                    f"training step ({variant}) {name} at batch {x.shape[0]}: relative error {error:.2e} > {tol}"
+                )
 
 
 def _train_rows(args, device, dtype):
@@ -362,7 +378,7 @@ def print_tables(result: dict) -> None:
             f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
-    print("\nThe SDDMM's two forms, from CUDA graphs (µs):")
+    print("\nThe SDDMM's two forms, and the backward's two walks (bias gradient included), from CUDA graphs (µs):")
     print(f"{'B':>3} " + " ".join(f"{op:>17}" for op in _VARIANT_OPS))
     for row in train["rows"]:
         g = row.get("graph_us", {})

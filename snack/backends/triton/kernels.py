@@ -22,6 +22,9 @@ Every kernel multiplies and accumulates in float32 whatever the storage dtype (f
 * :func:`pointer_sddmm_kernel` — the same product, one program per row through ``rowptr``: the
   row's ``dy`` is loaded once (up to batch 64), its row index never, and the bias gradient is
   the row's own sum.
+* :func:`rowwise_backward_kernel` — a training step's whole backward in one pass by row, for
+  small batches: the pointer SDDMM's products and bias gradient, and ``dX`` by atomic adds
+  instead of a second pass by column (the backend's ``walk="row"``).
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -332,10 +335,81 @@ def pointer_sddmm_kernel(
         tl.store(bias_grad_ptr + row, tl.sum(dy_sum, axis=0).to(bias_grad_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _rowwise_backward_chunk(dy_tile, k0, end, x_ptr, values_ptr, col_ptr, dx_ptr, dvalues_ptr, batch, stride_xb,
+                            stride_xc, stride_gb, stride_gc, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # For the positions k0 <= k < end of one row (dy_tile: its dy values over the batch):
+    # dvalues[k] = Σ_b dy[b] · x[b, col_k], and dx[b, col_k] += dy[b] · values[k] by atomic adds.
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < end
+    col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    value = tl.load(values_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    b64 = tl.arange(0, BLOCK_B).to(tl.int64)
+    mask = (b64 < batch)[:, None] & mask_k[None, :]
+    x = tl.load(x_ptr + b64[:, None] * stride_xb + (col * stride_xc)[None, :], mask=mask, other=0.0)
+    dvalues = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
+    tl.store(dvalues_ptr + offs_k, dvalues.to(dvalues_ptr.dtype.element_ty), mask=mask_k)
+    dx_addr = dx_ptr + b64[:, None] * stride_gb + (col * stride_gc)[None, :]
+    tl.atomic_add(dx_addr, dy_tile[:, None] * value[None, :], mask=mask, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["batch"])
+def rowwise_backward_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
+    values_ptr,  # (nnz,) in row order
+    rowptr_ptr,  # (n_out + 1,) int32: row r owns positions [rowptr[r], rowptr[r+1])
+    col_ptr,  # (nnz,) int32
+    dx_ptr,  # (B, n_in) float32, zeroed: accumulated into at [b, col] through (stride_gb, stride_gc)
+    dvalues_ptr,  # (nnz,) output in the input dtype
+    bias_grad_ptr,  # (n_out,) output in the input dtype; unused unless BIAS_GRAD
+    batch,
+    stride_db,
+    stride_dr,
+    stride_xb,
+    stride_xc,
+    stride_gb,
+    stride_gc,
+    BIAS_GRAD: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A training step's backward in one pass over the weight *by row*, for row
+    ``r = program_id(0)`` and a batch of at most ``BLOCK_B``: ``dvalues`` as
+    :func:`pointer_sddmm_kernel` computes it, ``bias_grad[r] = Σ_b dy[b, r]`` with ``BIAS_GRAD``,
+    and ``dX = dY·W`` by one float32 atomic add per non-zero and batch row into ``dx``.
+
+    The values are read in order, once: the transposed SpMM walks ``W`` by column and reads each
+    value through ``csc_perm``, one random load per non-zero; here that load becomes an atomic
+    add into the small ``dx`` (``B × n_in``), and the SDDMM's pass is the same pass. Atomic adds
+    land in any order, so ``dx`` is not bitwise reproducible. ``WHILE_LOOP`` as for
+    :func:`pointer_spmm_kernel`."""
+    row = tl.program_id(0)
+    start = tl.load(rowptr_ptr + row)
+    end = tl.load(rowptr_ptr + row + 1)
+    offs_b = tl.arange(0, BLOCK_B)
+    dy_row = dy_ptr + row.to(tl.int64) * stride_dr
+    dy_tile = tl.load(dy_row + offs_b.to(tl.int64) * stride_db, mask=offs_b < batch, other=0.0).to(tl.float32)
+    if WHILE_LOOP:
+        k0 = start
+        while k0 < end:
+            _rowwise_backward_chunk(dy_tile, k0, end, x_ptr, values_ptr, col_ptr, dx_ptr, dvalues_ptr, batch,
+                                    stride_xb, stride_xc, stride_gb, stride_gc, BLOCK_B, BLOCK_K)  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in range(start, end, BLOCK_K):
+            _rowwise_backward_chunk(dy_tile, k0, end, x_ptr, values_ptr, col_ptr, dx_ptr, dvalues_ptr, batch,
+                                    stride_xb, stride_xc, stride_gb, stride_gc, BLOCK_B, BLOCK_K)  # fmt: skip
+    if BIAS_GRAD:
+        tl.store(bias_grad_ptr + row, tl.sum(dy_tile, axis=0).to(bias_grad_ptr.dtype.element_ty))
+
+
 # name -> kernel, for tools that walk every kernel (compile-check).
 KERNELS = {
     "segment_spmm": segment_spmm_kernel,
     "pointer_spmm": pointer_spmm_kernel,
     "segment_sddmm": segment_sddmm_kernel,
     "pointer_sddmm": pointer_sddmm_kernel,
+    "rowwise_backward": rowwise_backward_kernel,
 }

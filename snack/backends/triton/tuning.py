@@ -59,6 +59,7 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "pointer_spmm": {"BLOCK_K": 64, "num_warps": 4},
     "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
+    "rowwise_backward": {"BLOCK_K": 64, "num_warps": 4},
 }
 
 
@@ -99,6 +100,7 @@ _AUTOTUNE_KEYS = {
     "pointer_spmm": ("BLOCK_B", "HAS_BIAS", "INDIRECT_VALUES"),
     "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
     "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
+    "rowwise_backward": ("BLOCK_B", "BIAS_GRAD"),
 }
 # kernel name -> positions of its autotune key's non-constexpr arguments (none under the
 # interpreter, which does not autotune)
@@ -119,6 +121,11 @@ TUNED = {
         name: _autotuned(kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED)
         for name in ("pointer_spmm", "segment_sddmm", "pointer_sddmm")
     },
+    # It accumulates dX by atomic adds: likewise.
+    "rowwise_backward": _autotuned(
+        kernels.rowwise_backward_kernel, TILE_CONFIGS, list(_AUTOTUNE_KEYS["rowwise_backward"]),
+        prune_configs_by=_PRUNED, reset_to_zero=["dx_ptr"],
+    ),
 }
 # (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
 # config the autotuner picked for them (module docstring, *Launches*)
