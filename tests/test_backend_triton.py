@@ -350,7 +350,7 @@ def test_autocast_runs_the_kernels_in_half_precision():
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh runs this on one)")
 def test_a_graphed_layer_trains_like_the_eager_one():
     """``torch.cuda.make_graphed_callables`` captures the layer's forward and backward (after its
-    warm-up calls, which autotune and time the variants); replays with new inputs give the eager
+    warm-up calls, which autotune); replays with new inputs give the eager
     layer's output and gradients."""
     torch.manual_seed(0)
     layer = snack.SparseLinear(300, 280, sparsity=0.9).to(DEVICE)
