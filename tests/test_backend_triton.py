@@ -637,3 +637,27 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
     with pytest.warns(UserWarning, match=r"walk='row'"):
         dx, _ = tb.spmm_backward(dy, x, values, topo, walk="row")
     torch.testing.assert_close(dx, expected_dx)
+
+
+def test_kernel_bench_reports_a_wrong_row_walk_and_goes_on(monkeypatch, tmp_path, capsys):
+    """A prepared variant that computes wrong gradients on some GPU loses its own timings (and
+    says so), not the whole run's."""
+    from snack.backends.triton import kernel_bench
+
+    real = tb.spmm_backward
+
+    def wrong_row_walk(*args, walk="column", **kwargs):
+        grads = real(*args, walk=walk, **kwargs)
+        return (grads[0] + 1, *grads[1:]) if walk == "row" else grads
+
+    monkeypatch.setattr(tb, "spmm_backward", wrong_row_walk)
+    monkeypatch.setattr(kernel_bench, "_us", lambda fn: 1.0 if fn() is not None else None)
+    monkeypatch.setattr(kernel_bench, "_graph_us", lambda fn: 2.0 if fn() is not None else None)
+    monkeypatch.setattr(kernel_bench, "_PROFILED_STEPS", 2)
+    args = kernel_bench.parse_args(
+        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "--train-batch", "1"]
+    )
+    row = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)["train"]["rows"][0]
+    assert "ROW WALK WRONG, not timed: training step (row walk) dX at batch 1" in capsys.readouterr().err
+    assert row["row_walk_error"].startswith("training step (row walk) dX at batch 1: relative error")
+    assert "backward[row]" not in row["graph_us"] and row["graph_us"]["backward[column]"] == 2.0
