@@ -363,6 +363,8 @@ def spmm_backward(
     _check_dtype("spmm_backward", dy, x, values)
     if walk not in WALKS:
         raise ValueError(f"walk must be one of {WALKS}, got {walk!r}")
+    if walk == "row" and dy.shape[0] > MAX_BLOCK_B:
+        raise ValueError(f"snack triton backend: walk='row' takes a batch of at most {MAX_BLOCK_B}, got {dy.shape[0]}")
     dy_layout = _batch_contiguous(dy)
     if walk == "row":
         grads = _rowwise_backward(dy_layout, _batch_contiguous(x), dy, values, topo, x.shape[1], bias_grad)
@@ -376,12 +378,10 @@ def _rowwise_backward(
     dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], dy: Tensor, values: Tensor,
     topo: TopologyTensors, n_in: int, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(dx (B, n_in), dvalues (nnz,), dbias (n_out,))`` from one launch by row (``dbias``
-    computed only when ``bias_grad``, else uninitialised), after zeroing ``dx``'s float32
-    accumulator."""
+    """``(dx (B, n_in), dvalues (nnz,), dbias (n_out,))`` from one launch by row, for a batch of at
+    most ``MAX_BLOCK_B`` (``dbias`` computed only when ``bias_grad``, else uninitialised), after
+    zeroing ``dx``'s float32 accumulator."""
     batch, (dy_storage, *dy_strides), (x_storage, *x_strides) = dy.shape[0], dy_layout, x_layout
-    if batch > MAX_BLOCK_B:
-        raise ValueError(f"snack triton backend: walk='row' takes a batch of at most {MAX_BLOCK_B}, got {batch}")
     _alert_not_deterministic("snack's Triton spmm_backward(walk='row')")
     nnz, n_out = topo.col.numel(), topo.rowptr.numel() - 1
     # float32 accumulator: half-precision atomics would round on every add

@@ -262,6 +262,16 @@ def _pointer_sddmm_tile(dy_row, x_ptr, x_col, mask_k, b0, batch, stride_db, stri
 
 
 @triton.jit
+def _single_tile_sddmm(dy_tile, x_ptr, x_col, mask_k, batch, stride_xb, BLOCK_B: tl.constexpr):
+    # Σ_b dy[b] · x[b, col_k] as float32 (BLOCK_K,), for a batch of one tile whose dy values are
+    # dy_tile; x_col: the non-zeros' column offsets (col_k · stride_xc).
+    b64 = tl.arange(0, BLOCK_B).to(tl.int64)
+    mask = (b64 < batch)[:, None] & mask_k[None, :]
+    x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask, other=0.0)
+    return tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
+
+
+@triton.jit
 def _pointer_sddmm_chunk(dy_row, dy_tile, k0, end, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb, stride_xc,
                          SINGLE_TILE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     # out[k] = Σ_b dy[b, r] · x[b, col_k] for the positions k0 <= k < end of row r (dy_row points at
@@ -270,10 +280,7 @@ def _pointer_sddmm_chunk(dy_row, dy_tile, k0, end, x_ptr, col_ptr, out_ptr, batc
     mask_k = offs_k < end
     x_col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64) * stride_xc
     if SINGLE_TILE:
-        b64 = tl.arange(0, BLOCK_B).to(tl.int64)
-        mask = (b64 < batch)[:, None] & mask_k[None, :]
-        x = tl.load(x_ptr + b64[:, None] * stride_xb + x_col[None, :], mask=mask, other=0.0)
-        out = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
+        out = _single_tile_sddmm(dy_tile, x_ptr, x_col, mask_k, batch, stride_xb, BLOCK_B)
     else:
         out = tl.zeros((BLOCK_K,), dtype=tl.float32)
         b0 = 0
@@ -344,11 +351,10 @@ def _rowwise_backward_chunk(dy_tile, k0, end, x_ptr, values_ptr, col_ptr, dx_ptr
     mask_k = offs_k < end
     col = tl.load(col_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
     value = tl.load(values_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    dvalues = _single_tile_sddmm(dy_tile, x_ptr, col * stride_xc, mask_k, batch, stride_xb, BLOCK_B)
+    tl.store(dvalues_ptr + offs_k, dvalues.to(dvalues_ptr.dtype.element_ty), mask=mask_k)
     b64 = tl.arange(0, BLOCK_B).to(tl.int64)
     mask = (b64 < batch)[:, None] & mask_k[None, :]
-    x = tl.load(x_ptr + b64[:, None] * stride_xb + (col * stride_xc)[None, :], mask=mask, other=0.0)
-    dvalues = tl.sum(dy_tile[:, None] * x.to(tl.float32), axis=0)
-    tl.store(dvalues_ptr + offs_k, dvalues.to(dvalues_ptr.dtype.element_ty), mask=mask_k)
     dx_addr = dx_ptr + b64[:, None] * stride_gb + (col * stride_gc)[None, :]
     tl.atomic_add(dx_addr, dy_tile[:, None] * value[None, :], mask=mask, sem="relaxed")
 
