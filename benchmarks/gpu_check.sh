@@ -10,9 +10,10 @@
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
 #   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer forms vs Dense+Mask,
 #   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
-#                        from CUDA graphs; both SDDMM forms and both walks of the backward;
-#                        a host profile of the eager step; the autotuned configs. Checks the
-#                        autotuned kernels (and the row walk) against dense results first
+#                        from CUDA graphs; both SDDMM forms, both walks of the backward and
+#                        the transposed SpMM by patches; a host profile of the eager step; the
+#                        autotuned configs. Checks the autotuned kernels (and the prepared
+#                        variants) against dense results first
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)
@@ -68,7 +69,7 @@ step pytest 100 "$OUTDIR/pytest.txt" \
 
 # The first call per batch tile autotunes (compiles 6-15 configs per kernel and flag set): most
 # of this step.
-step kernel-bench 180 "$OUTDIR/kernel_bench.txt" \
+step kernel-bench 210 "$OUTDIR/kernel_bench.txt" \
     "$PY" -m snack.backends.triton.kernel_bench --out "$OUTDIR/kernel_bench.json"
 
 LAYER_DIR="$(mktemp -d)"

@@ -77,16 +77,19 @@ CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty", 2), ("nnz0"
 @pytest.fixture(params=["fixed", "small"])
 def blocks(request, monkeypatch):
     """``fixed``: the shipped configs. ``small``: tiny blocks and batch tiles, so small shapes span
-    several non-zero blocks, loop iterations and batch tiles, and the segment kernel's batch loop
-    takes more than one step (two rows per program, and its grid capped at 2)."""
+    several non-zero blocks, loop iterations, batch tiles and patches, and the batch loops of the
+    segment kernel and the patch walk take more than one step (their grids capped at 2)."""
     if request.param == "small":
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_spmm", {"BLOCK_NNZ": 16, "ROWS_PER_PROGRAM": 2, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_spmm", {"BLOCK_K": 8, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "rowwise_backward", {"BLOCK_K": 4, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm_t", {"BLOCK_K": 2, "num_warps": 4})
+        monkeypatch.setattr(tb, "PATCH_COLUMNS", 4)
+        monkeypatch.setattr(tb, "PATCH_ROWS", 8)
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
-        monkeypatch.setattr(tb, "_SEGMENT_MAX_GRID_1", 2)
+        monkeypatch.setattr(tb, "_BATCH_GRID_LIMIT", 2)
     return request.param
 
 
@@ -130,6 +133,46 @@ def test_sddmm_matches_reference(form, case, batch, blocks):
     torch.testing.assert_close(got, reference.sddmm(dy, x, topo), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize(("case", "batch"), CASES)
+def test_spmm_t_by_patches_matches_reference(case, batch, blocks):
+    """The patch walk: partial sums of blocks of columns × bands of rows, added by atomics."""
+    topo, _, dy, values = _inputs(case, batch)
+    got = tb.spmm_t(dy, values, topo, form="patches")
+    assert got.dtype == dy.dtype and got.is_contiguous()
+    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("band_rows", [1, 3, 8, 40, 64])
+def test_band_pointers_bound_each_columns_rows_in_each_band(band_rows):
+    """Column ``c``'s non-zeros of band ``t`` are exactly the column-order positions between
+    ``[t, c]`` and ``[t + 1, c]``; bands past the last row are clipped to it."""
+    topo = _topology("long_and_empty").to(DEVICE).tensors()
+    pointers = tb._band_pointers(topo, band_rows)
+    n_out, n_in = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
+    bands = -(-n_out // band_rows)
+    assert pointers.shape == (bands + 1, n_in) and pointers.dtype == torch.int32
+    assert torch.equal(pointers[0], topo.colptr[:-1]) and torch.equal(pointers[-1], topo.colptr[1:])
+    assert (pointers[1:] >= pointers[:-1]).all()  # so the bands split each column's range
+    rows = topo.row[topo.csc_perm.long()].cpu()
+    pointers = pointers.cpu()
+    for c in range(n_in):
+        for t in range(bands):
+            in_band = rows[pointers[t, c] : pointers[t + 1, c]]
+            assert ((in_band >= t * band_rows) & (in_band < (t + 1) * band_rows)).all()
+    assert tb._band_pointers(topo, band_rows) is tb._band_pointers(topo, band_rows)  # cached
+
+
+def test_patch_walk_takes_taller_bands_than_a_grid_axis_holds(monkeypatch):
+    topo, _, dy, values = _inputs("64x40", 3)
+    monkeypatch.setattr(tb, "_MAX_GRID_1", 5)  # 64 rows in at most 5 bands: 13 rows each, not PATCH_ROWS
+    monkeypatch.setattr(tb, "PATCH_ROWS", 4)
+    heights = []
+    real = tb._band_pointers
+    monkeypatch.setattr(tb, "_band_pointers", lambda topo, rows: heights.append(rows) or real(topo, rows))
+    torch.testing.assert_close(tb.spmm_t(dy, values, topo, form="patches"), reference.spmm_t(dy, values, topo))
+    assert heights == [13]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("case", "batch"), [("33x17", 3), ("64x40", 17)])
 def test_half_precision_accumulates_in_fp32(dtype, case, batch):
@@ -150,6 +193,9 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         assert dvalues.dtype == dbias.dtype == dtype
         torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
         torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
+    got = tb.spmm_t(dy, values, topo, form="patches")
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
     dx, dvalues, dbias = tb.spmm_backward(dy, x, values, topo, bias_grad=True, walk="row")
     assert dx.dtype == dvalues.dtype == dbias.dtype == dtype
     torch.testing.assert_close(dx.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
@@ -173,6 +219,10 @@ def test_rejects_unsupported_dtype_and_form():
         tb.spmm(x.double(), values.double(), topo)
     with pytest.raises(ValueError, match="form must be"):
         tb.spmm(x, values, topo, form="dense")
+    with pytest.raises(ValueError, match=r"form must be one of \('segment', 'pointer'\), got 'patches'"):
+        tb.spmm(x, values, topo, form="patches")  # the patch walk is the transposed SpMM's only
+    with pytest.raises(ValueError, match=r"form must be one of \('segment', 'pointer', 'patches'\), got 'dense'"):
+        tb.spmm_t(torch.zeros(2, 5, device=DEVICE), values, topo, form="dense")
     with pytest.raises(ValueError, match="form must be"):
         tb.sddmm(torch.zeros(2, 5, device=DEVICE), x, topo, form="dense")
 
@@ -418,8 +468,9 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
-    variants = [(nnz,), (nnz,), (1, 20), (1, 20)]  # sddmm[segment], sddmm[pointer], backward[column], backward[row]
-    assert graph_shapes[2 * n_spmm + n_step - 6 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
+    # sddmm[segment], sddmm[pointer], spmm_t[pointer], backward[column], backward[row], spmm_t[patches/...] × 3
+    variants = [(nnz,), (nnz,)] + [(1, 20)] * 6
+    assert graph_shapes[2 * n_spmm + n_step - 10 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -469,6 +520,14 @@ def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
     low, high = tuning.TILE_ELEMENTS_PER_THREAD
     assert 1 <= len(kept) <= 16  # a first call per batch tile compiles each: seconds, not minutes
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
+
+
+def test_patch_configs_are_pruned_by_the_patch_width():
+    """The patch walk's tiles are ``BLOCK_C × BLOCK_K``: pruned as a batch tile of ``BLOCK_C`` rows."""
+    kept = tuning.tile_configs_for(tuning.TILE_CONFIGS, {}, WHILE_LOOP=False, BLOCK_C=tb.PATCH_COLUMNS)
+    assert kept == tuning.tile_configs_for(tuning.TILE_CONFIGS, {}, BLOCK_B=tb.PATCH_COLUMNS)
+    assert 1 <= len(kept) <= 16
+    assert all(tb.PATCH_COLUMNS * c.kwargs["BLOCK_K"] <= tuning.MAX_TILE_ELEMENTS for c in kept)
 
 
 @pytest.mark.parametrize("compiled_launch", [False, True])
@@ -633,24 +692,31 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
         tb.spmm(x, values, topo, form="segment")
     with pytest.raises(RuntimeError, match=r"walk='row'.*use_deterministic_algorithms\(True\)"):
         tb.spmm_backward(dy, x, values, topo, walk="row")
+    with pytest.raises(RuntimeError, match=r"form='patches'.*use_deterministic_algorithms\(True\)"):
+        tb.spmm_t(dy, values, topo, form="patches")
     deterministic(True, warn_only=True)
     with pytest.warns(UserWarning, match=r"walk='row'"):
         dx, _ = tb.spmm_backward(dy, x, values, topo, walk="row")
     torch.testing.assert_close(dx, expected_dx)
 
 
-def test_kernel_bench_reports_a_wrong_row_walk_and_goes_on(monkeypatch, tmp_path, capsys):
+def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, tmp_path, capsys):
     """A prepared variant that computes wrong gradients on some GPU loses its own timings (and
     says so), not the whole run's."""
     from snack.backends.triton import kernel_bench
 
-    real = tb.spmm_backward
+    real_backward, real_patches = tb.spmm_backward, tb._patch_spmm_t
 
     def wrong_row_walk(*args, walk="column", **kwargs):
-        grads = real(*args, walk=walk, **kwargs)
+        grads = real_backward(*args, walk=walk, **kwargs)
         return (grads[0] + 1, *grads[1:]) if walk == "row" else grads
 
+    def wrong_tall_patches(*args, band_rows=None):
+        dx = real_patches(*args, band_rows=band_rows)
+        return dx + 1 if band_rows == 512 else dx
+
     monkeypatch.setattr(tb, "spmm_backward", wrong_row_walk)
+    monkeypatch.setattr(tb, "_patch_spmm_t", wrong_tall_patches)
     monkeypatch.setattr(kernel_bench, "_us", lambda fn: 1.0 if fn() is not None else None)
     monkeypatch.setattr(kernel_bench, "_graph_us", lambda fn: 2.0 if fn() is not None else None)
     monkeypatch.setattr(kernel_bench, "_PROFILED_STEPS", 2)
@@ -658,6 +724,11 @@ def test_kernel_bench_reports_a_wrong_row_walk_and_goes_on(monkeypatch, tmp_path
         ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "--train-batch", "1"]
     )
     row = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)["train"]["rows"][0]
-    assert "ROW WALK WRONG, not timed: training step (row walk) dX at batch 1" in capsys.readouterr().err
-    assert row["row_walk_error"].startswith("training step (row walk) dX at batch 1: relative error")
-    assert "backward[row]" not in row["graph_us"] and row["graph_us"]["backward[column]"] == 2.0
+    err = capsys.readouterr().err
+    assert "backward[row] WRONG, not timed: training step (backward[row]) dX at batch 1" in err
+    assert "spmm_t[patches/512] WRONG, not timed: training step (spmm_t[patches/512]) dX at batch 1" in err
+    assert set(row["prepared_errors"]) == {"backward[row]", "spmm_t[patches/512]"}
+    assert row["prepared_errors"]["backward[row]"].startswith("training step (backward[row]) dX at batch 1: relative")
+    timed = row["graph_us"]
+    assert "backward[row]" not in timed and "spmm_t[patches/512]" not in timed
+    assert timed["backward[column]"] == timed["spmm_t[patches/256]"] == 2.0

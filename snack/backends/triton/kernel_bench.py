@@ -16,8 +16,10 @@ And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one trainin
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
 from a CUDA graph, and the three products of a step (SpMM, transposed SpMM, SDDMM against the three
 dense matmuls) one by one, both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer]``; see
-:mod:`.backend`, which runs the pointer form unless it would leave SMs idle), and the step's whole
-backward walking the weight by column or by row (``backward[column]``, ``backward[row]``). A
+:mod:`.backend`, which runs the pointer form unless it would leave SMs idle), the transposed SpMM's
+column walk (``spmm_t[pointer]``) and the step's whole backward as layers run them
+(``backward[column]``), and the variants prepared against them: the backward walking the weight
+by row (``backward[row]``) and the transposed SpMM by patches (``spmm_t[patches/ROWS]``). A
 profile of the eager step at the smallest batch (where host overhead decides) lists where the host
 time goes, and the configs the autotuner picked are recorded. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense result
@@ -40,10 +42,16 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SPMM_VARIANTS = ["segment", "pointer", "snack_op", "dense_mask", "csr", "dense"]
 # the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
-# the SDDMM's two forms (the backend's rule between them is measured here), and a training step's
-# whole backward (bias gradient included) walking the weight by column (what layers run: spmm_t +
-# SDDMM) or by row (one pass, dX by atomic adds; backend.spmm_backward's walk)
-_VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]", "backward[column]", "backward[row]"]
+# Variants prepared for measurement that layers do not run yet: a training step's whole backward
+# (bias gradient included) walking the weight by row (one pass, dX by atomic adds;
+# backend.spmm_backward's walk), and the transposed SpMM by patches of 64 columns × bands of 128,
+# 256 (the backend's PATCH_ROWS) or 512 rows. Each is checked against the reference first: a wrong
+# one loses its own timings (and says so), not the run's.
+_PATCH_BAND_ROWS = (128, 256, 512)
+_PREPARED = ["backward[row]", *(f"spmm_t[patches/{rows}]" for rows in _PATCH_BAND_ROWS)]
+# the SDDMM's two forms (the backend's rule between them is measured here); the transposed SpMM's
+# column walk and the whole backward as layers run them (spmm_t + SDDMM); then the prepared variants
+_VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]", "spmm_t[pointer]", "backward[column]", *_PREPARED]
 _WHOLE_STEPS = ["snack", "dense"]
 TRAIN_BATCHES = [1, 8, 32]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -129,11 +137,25 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
     }
     for form in ("segment", "pointer"):
         ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
-    for walk in tb.WALKS:  # dX stands for the three gradients (a graph pass checks one output)
-        ops[f"backward[{walk}]"] = lambda walk=walk: tb.spmm_backward(
-            grad, x, values, tensors, bias_grad=True, walk=walk
-        )[0]
+    ops["spmm_t[pointer]"] = lambda: tb.spmm_t(grad, values, tensors, form="pointer")
+    ops["backward[column]"] = lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True)[0]
+    # dX stands for each variant's gradients (a graph pass checks one output)
+    ops.update({name: lambda fn=fn: fn()[0] for name, fn in _prepared_ops(x, grad, values, tensors).items()})
     assert list(ops)[len(_STEP_OPS) :] == _VARIANT_OPS
+    return ops
+
+
+def _prepared_ops(x, grad, values, tensors) -> dict:
+    """:data:`_PREPARED` as functions returning their gradients: ``(dX, dvalues, dbias)`` for the
+    row walk, ``(dX,)`` for the transposed SpMM's patch walk."""
+    from snack.backends.triton import backend as tb
+
+    ops = {"backward[row]": lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True, walk="row")}
+    for rows in _PATCH_BAND_ROWS:
+        ops[f"spmm_t[patches/{rows}]"] = lambda rows=rows: (
+            tb._patch_spmm_t(tb._batch_contiguous(grad), grad.shape[0], values, tensors, band_rows=rows),
+        )
+    assert list(ops) == _PREPARED
     return ops
 
 
@@ -179,11 +201,11 @@ def _spmm_rows(args, device, dtype, bandwidth):
     return {"size": args.size, "nnz": topo.nnz, "sparsity": args.sparsity, "rows": rows}, graph_jobs
 
 
-def _check_step(layer, x, grad, dtype) -> str | None:
-    """Gradients of a Triton-backend step, and of the backward's row walk, against the reference
-    backend. Raises on a mismatch of the layer's step; returns the row walk's mismatch as text
-    (``None`` if it matches or the batch is too large for it), so that a wrong prepared variant
-    loses its own timings, not the run's."""
+def _check_step(layer, x, grad, dtype) -> dict[str, str]:
+    """Gradients of a Triton-backend step, and of the :data:`_PREPARED` variants, against the
+    reference backend. Raises on a mismatch of the layer's step; returns the variants that
+    disagree, with their mismatch as text, so that a wrong prepared variant loses its own
+    timings, not the run's (the row walk is skipped above its batch limit)."""
     import snack
     from snack.backends.triton import backend as tb
 
@@ -195,9 +217,10 @@ def _check_step(layer, x, grad, dtype) -> str | None:
             layer(xi).backward(grad)
         results[backend] = (xi.grad.float(), layer.values.grad.float())
     layer.zero_grad()
-    if x.shape[0] <= tb.MAX_BLOCK_B:
-        dx, dvalues = tb.spmm_backward(grad, x.detach(), layer.values.detach(), layer.topology.tensors(), walk="row")
-        results["row walk"] = (dx.float(), dvalues.float())
+    prepared = _prepared_ops(x.detach(), grad, layer.values.detach(), layer.topology.tensors())
+    if x.shape[0] > tb.MAX_BLOCK_B:
+        del prepared["backward[row]"]
+    results.update({name: [g.float() for g in fn()[:2]] for name, fn in prepared.items()})
     tol = 1e-4 if dtype == torch.float32 else 2e-2
 
     def mismatch(variant: str) -> str | None:
@@ -209,7 +232,7 @@ def _check_step(layer, x, grad, dtype) -> str | None:
 
     if (message := mismatch("triton")) is not None:
         raise AssertionError(message)
-    return mismatch("row walk") if "row walk" in results else None
+    return {name: message for name in prepared if (message := mismatch(name)) is not None}
 
 
 def _train_rows(args, device, dtype):
@@ -225,7 +248,7 @@ def _train_rows(args, device, dtype):
     for batch in args.train_batch:
         x = torch.randn(batch, in_features, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(batch, out_features, device=device, dtype=dtype)
-        row_walk_error = _check_step(sparse, x, grad, dtype)
+        wrong = _check_step(sparse, x, grad, dtype)
         steps = {"snack": _step(sparse, x, grad), "dense": _step(dense, x, grad)}
         times = {name: _us(fn) for name, fn in steps.items()}
         # PyTorch runs a CUDA backward on a worker thread; there the Python of snack's backward ran
@@ -234,10 +257,11 @@ def _train_rows(args, device, dtype):
             times.update({f"{name}_calling_thread": _us(fn) for name, fn in steps.items()})
         entry = {"batch": batch, "us": times, "speedup_vs_dense": times["dense"] / times["snack"]}
         ops = _step_ops(x.detach(), grad, values, tensors, weight)
-        if row_walk_error is not None:
-            print(f"  ROW WALK WRONG, not timed: {row_walk_error}", file=sys.stderr)
-            entry["row_walk_error"] = row_walk_error
-            del ops["backward[row]"]
+        for name, message in wrong.items():
+            print(f"  {name} WRONG, not timed: {message}", file=sys.stderr)
+            del ops[name]
+        if wrong:
+            entry["prepared_errors"] = wrong
         rows.append(entry)
         graph_jobs.append((entry, {**ops, **steps}))
     smallest = min(args.train_batch)
@@ -389,11 +413,15 @@ def print_tables(result: dict) -> None:
             f"{' '.join(_cell(v, 9) for v in steps)} {step_speedup:>8} "
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
-    print("\nThe SDDMM's two forms, and the backward's two walks (bias gradient included), from CUDA graphs (µs):")
-    print(f"{'B':>3} " + " ".join(f"{op:>17}" for op in _VARIANT_OPS))
+    print(
+        "\nThe SDDMM's two forms; the transposed SpMM's column walk and the backward as layers run them;\n"
+        "the prepared variants: the backward's row walk, the transposed SpMM by patches of 64 columns × "
+        f"{'/'.join(map(str, _PATCH_BAND_ROWS))} rows\n(backward: bias gradient included), from CUDA graphs (µs):"
+    )
+    print(f"{'B':>3} " + " ".join(f"{op:>19}" for op in _VARIANT_OPS))
     for row in train["rows"]:
         g = row.get("graph_us", {})
-        print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 17) for op in _VARIANT_OPS))
+        print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 19) for op in _VARIANT_OPS))
     print(f"\nHost profile of the eager snack step ({train['host_profile'].splitlines()[0]}):")
     print("\n".join(train["host_profile"].splitlines()[1:]))
     if result.get("autotuned"):

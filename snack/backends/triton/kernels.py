@@ -25,6 +25,9 @@ Every kernel multiplies and accumulates in float32 whatever the storage dtype (f
 * :func:`rowwise_backward_kernel` — a training step's whole backward in one pass by row, for
   small batches: the pointer SDDMM's products and bias gradient, and ``dX`` by atomic adds
   instead of a second pass by column (the backend's ``walk="row"``).
+* :func:`patch_spmm_t_kernel` — the transposed SpMM by *patches* of ``W`` (a block of columns ×
+  a band of rows): a patch's value loads share sectors; one atomic add per column, band and
+  batch row (the backend's ``spmm_t(form="patches")``).
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -40,7 +43,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["KERNELS", "pointer_sddmm_kernel", "pointer_spmm_kernel", "segment_sddmm_kernel", "segment_spmm_kernel"]
+__all__ = [
+    "KERNELS", "pointer_sddmm_kernel", "pointer_spmm_kernel", "rowwise_backward_kernel", "segment_sddmm_kernel",
+    "segment_spmm_kernel", "patch_spmm_t_kernel",
+]  # fmt: skip
 
 
 @triton.jit
@@ -411,6 +417,70 @@ def rowwise_backward_kernel(
         tl.store(bias_grad_ptr + row, tl.sum(dy_tile, axis=0).to(bias_grad_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
+                        BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc[c, j] += values[csc_perm[p]] · dy[b, rows[p]] at the column-order positions
+    # p = start[c] + k0 + j < end[c] of each column c of the patch (dy_b points at dy[b, 0]).
+    pos = start[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
+    mask = pos < end[:, None]
+    row = tl.load(rows_ptr + pos, mask=mask, other=0).to(tl.int64)
+    value = _load_values(values_ptr, csc_perm_ptr, pos, mask, True)
+    dy = tl.load(dy_b + row * stride_dr, mask=mask, other=0.0).to(tl.float32)
+    return acc + value * dy
+
+
+@triton.jit(do_not_specialize=["batch", "n_in"])
+def patch_spmm_t_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    values_ptr,  # (nnz,) in row order
+    csc_perm_ptr,  # (nnz,) int32 position in values of each non-zero in column order
+    band_ptr_ptr,  # (bands + 1, n_in) int32: column c's non-zeros in row band t are [band_ptr[t, c], band_ptr[t+1, c])
+    rows_ptr,  # (nnz,) int32 row of each non-zero in column order
+    dx_ptr,  # (B, n_in) float32, zeroed: accumulated into with atomics
+    batch,
+    n_in,
+    stride_db,
+    stride_dr,
+    WHILE_LOOP: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``dx[b, c] += Σ_{k in column c, row_k in band t} values[k] · dy[b, row_k]`` for the patch of
+    ``W`` made of the ``BLOCK_C`` columns of block ``program_id(0)`` and the rows of band
+    ``t = program_id(1)``, and the batch rows ``program_id(2), + num_programs(2), ...``; one atomic
+    add per column, band and batch row.
+
+    The patch's columns are walked together, ``BLOCK_K`` non-zeros of each per step. A row's
+    non-zeros in a block of columns sit side by side in ``values`` (row order), so the program's
+    value loads share 32-byte sectors, which L1 serves after the first; one column's walk, as in
+    :func:`pointer_spmm_kernel` with ``INDIRECT_VALUES``, pays a sector of L2 traffic per value.
+    ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < n_in
+    band_start = band_ptr_ptr + tl.program_id(1).to(tl.int64) * n_in
+    start = tl.load(band_start + offs_c, mask=mask_c, other=0)
+    end = tl.load(band_start + n_in + offs_c, mask=mask_c, other=0)
+    length = tl.max(end - start, axis=0)
+    has_nonzeros = mask_c & (end > start)
+    b = tl.program_id(2).to(tl.int64)
+    while b < batch:
+        dy_b = dy_ptr + b * stride_db
+        acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
+        if WHILE_LOOP:
+            k0 = 0
+            while k0 < length:
+                acc = _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
+                                          BLOCK_K)  # fmt: skip
+                k0 += BLOCK_K
+        else:
+            for k0 in range(0, length, BLOCK_K):
+                acc = _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
+                                          BLOCK_K)  # fmt: skip
+        tl.atomic_add(dx_ptr + b * n_in + offs_c, tl.sum(acc, axis=1), mask=has_nonzeros, sem="relaxed")
+        b += tl.num_programs(2)
+
+
 # name -> kernel, for tools that walk every kernel (compile-check).
 KERNELS = {
     "segment_spmm": segment_spmm_kernel,
@@ -418,4 +488,5 @@ KERNELS = {
     "segment_sddmm": segment_sddmm_kernel,
     "pointer_sddmm": pointer_sddmm_kernel,
     "rowwise_backward": rowwise_backward_kernel,
+    "patch_spmm_t": patch_spmm_t_kernel,
 }

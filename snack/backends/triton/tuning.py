@@ -3,11 +3,12 @@
 Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
-    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈ {1, …, 8}
-    (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at most 2048 elements with 2–16
-    per thread, which keep every lane busy without spilling registers (:func:`tile_configs_for`):
-    6 to 15 configs per batch tile. The first H200 run's configs gave a 128-thread program a 32-
-    or 64-wide tile at batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²)
+    (key: batch); pointer, SDDMM and patch-walk tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈
+    {1, …, 8} (key: ``BLOCK_B``, or the patch width ``BLOCK_C``, and the kernel's flags), pruned to
+    tiles of at most 2048 elements with 2–16 per thread, which keep every lane busy without
+    spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile. The first H200
+    run's configs gave a 128-thread program a 32- or 64-wide tile at batch 1, leaving half its
+    lanes idle. A sweep on the H200 (95%, 4096²)
     found the fastest pointer tiles well inside this space: 1-warp programs, with ``BLOCK_K`` 32
     at batch 8 and 4-16 at batch 16-64 (B=16: 11.2 µs against 16.3 µs for the best of the
     earlier space). Under the interpreter (``TRITON_INTERPRET=1``), or with
@@ -60,6 +61,7 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "rowwise_backward": {"BLOCK_K": 64, "num_warps": 4},
+    "patch_spmm_t": {"BLOCK_K": 16, "num_warps": 4},
 }
 
 
@@ -82,13 +84,14 @@ MAX_TILE_ELEMENTS = 2048
 
 
 def tile_configs_for(configs: list, named_args: dict, **kwargs) -> list:
-    """The tile configs worth timing for the call's ``BLOCK_B`` (an autotune ``early_config_prune``)."""
+    """The tile configs worth timing for the call's ``BLOCK_B`` (or, in the patch walk, whose
+    tiles are ``BLOCK_C × BLOCK_K``, its ``BLOCK_C``): an autotune ``early_config_prune``."""
     low, high = TILE_ELEMENTS_PER_THREAD
-    block_b = kwargs["BLOCK_B"]
+    tile_rows = kwargs["BLOCK_B"] if "BLOCK_B" in kwargs else kwargs["BLOCK_C"]
     kept = [
         c for c in configs
-        if low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high
-        and block_b * c.kwargs["BLOCK_K"] <= MAX_TILE_ELEMENTS
+        if low <= tile_rows * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high
+        and tile_rows * c.kwargs["BLOCK_K"] <= MAX_TILE_ELEMENTS
     ]  # fmt: skip
     return kept or configs[:1]
 
@@ -101,6 +104,7 @@ _AUTOTUNE_KEYS = {
     "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
     "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
     "rowwise_backward": ("BLOCK_B", "BIAS_GRAD"),
+    "patch_spmm_t": ("BLOCK_C",),
 }
 # kernel name -> positions of its autotune key's non-constexpr arguments (none under the
 # interpreter, which does not autotune)
@@ -121,11 +125,14 @@ TUNED = {
         name: _autotuned(kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED)
         for name in ("pointer_spmm", "segment_sddmm", "pointer_sddmm")
     },
-    # It accumulates dX by atomic adds: likewise.
-    "rowwise_backward": _autotuned(
-        kernels.rowwise_backward_kernel, TILE_CONFIGS, list(_AUTOTUNE_KEYS["rowwise_backward"]),
-        prune_configs_by=_PRUNED, reset_to_zero=["dx_ptr"],
-    ),
+    # They accumulate dX by atomic adds: likewise.
+    **{
+        name: _autotuned(
+            kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED,
+            reset_to_zero=["dx_ptr"],
+        )
+        for name in ("rowwise_backward", "patch_spmm_t")
+    },
 }
 # (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
 # config the autotuner picked for them (module docstring, *Launches*)
