@@ -8,12 +8,12 @@
 #   env.txt              GPU, driver, torch / triton / python versions
 #   compile_check.txt    `snack compile-check --arch 80 --arch 90`
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
-#   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer forms vs Dense+Mask,
+#   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer (/ patches) vs Dense+Mask,
 #   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
 #                        from CUDA graphs; both SDDMM forms, both walks of the backward and
-#                        the transposed SpMM by patches; a host profile of the eager step; the
-#                        autotuned configs. Checks the autotuned kernels (and the prepared
-#                        variants) against dense results first
+#                        the transposed SpMM's column and patch walks; a host profile of the
+#                        eager step; the autotuned configs. Checks the autotuned kernels (and
+#                        the prepared variants) against dense results first
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)

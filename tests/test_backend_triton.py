@@ -85,9 +85,10 @@ def blocks(request, monkeypatch):
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "rowwise_backward", {"BLOCK_K": 4, "num_warps": 4})
-        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm_t", {"BLOCK_K": 2, "num_warps": 4})
-        monkeypatch.setattr(tb, "PATCH_COLUMNS", 4)
-        monkeypatch.setattr(tb, "PATCH_ROWS", 8)
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm", {"BLOCK_K": 2, "num_warps": 4})
+        monkeypatch.setattr(tb, "PATCH_SEGMENTS", 4)
+        monkeypatch.setattr(tb, "PATCH_BAND", 8)
+        monkeypatch.setattr(tb, "PATCH_MAX_BLOCK_B", 2)
         monkeypatch.setattr(tb, "MAX_BLOCK_B", 4)
         monkeypatch.setattr(tb, "_BATCH_GRID_LIMIT", 2)
     return request.param
@@ -112,7 +113,7 @@ def _inputs(case: str, batch: int, dtype=torch.float32):
     return topo.tensors(), *(t.to(DEVICE, dtype) for t in (x, dy, values))
 
 
-@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize("form", tb.FORMS)
 @pytest.mark.parametrize("op", ["spmm", "spmm_t"])
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_spmm_forms_match_reference(op, form, case, batch, blocks):
@@ -133,44 +134,51 @@ def test_sddmm_matches_reference(form, case, batch, blocks):
     torch.testing.assert_close(got, reference.sddmm(dy, x, topo), **TOL[torch.float32])
 
 
-@pytest.mark.parametrize(("case", "batch"), CASES)
-def test_spmm_t_by_patches_matches_reference(case, batch, blocks):
-    """The patch walk: partial sums of blocks of columns × bands of rows, added by atomics."""
-    topo, _, dy, values = _inputs(case, batch)
-    got = tb.spmm_t(dy, values, topo, form="patches")
-    assert got.dtype == dy.dtype and got.is_contiguous()
-    torch.testing.assert_close(got, reference.spmm_t(dy, values, topo), **TOL[torch.float32])
+def _band_pointers(topo, transposed: bool, band: int):
+    """The patch forms' band pointers; the segment pointer and each non-zero's input index, in
+    the segment order they point into (rows: row order; columns: column order)."""
+    if transposed:
+        perm = topo.csc_perm.long()
+        ptr, segment, gather, n_in = topo.colptr, topo.col[perm], topo.row[perm], topo.rowptr.numel() - 1
+    else:
+        ptr, segment, gather, n_in = topo.rowptr, topo.row, topo.col, topo.colptr.numel() - 1
+    name = "test_column_bands" if transposed else "test_row_bands"
+    pointers = tb._band_pointers(name, (topo.row, topo.col), segment, gather, ptr.numel() - 1, n_in, band)
+    return pointers, ptr, gather, n_in
 
 
-@pytest.mark.parametrize("band_rows", [1, 3, 8, 40, 64])
-def test_band_pointers_bound_each_columns_rows_in_each_band(band_rows):
-    """Column ``c``'s non-zeros of band ``t`` are exactly the column-order positions between
-    ``[t, c]`` and ``[t + 1, c]``; bands past the last row are clipped to it."""
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("band", [1, 3, 8, 40, 64])
+def test_band_pointers_bound_each_segments_inputs_in_each_band(band, transposed):
+    """Segment ``s``'s non-zeros of band ``t`` are exactly the positions between ``[t, s]`` and
+    ``[t + 1, s]``; bands past the last input are clipped to it."""
     topo = _topology("long_and_empty").to(DEVICE).tensors()
-    pointers = tb._band_pointers(topo, band_rows)
-    n_out, n_in = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
-    bands = -(-n_out // band_rows)
-    assert pointers.shape == (bands + 1, n_in) and pointers.dtype == torch.int32
-    assert torch.equal(pointers[0], topo.colptr[:-1]) and torch.equal(pointers[-1], topo.colptr[1:])
-    assert (pointers[1:] >= pointers[:-1]).all()  # so the bands split each column's range
-    rows = topo.row[topo.csc_perm.long()].cpu()
-    pointers = pointers.cpu()
-    for c in range(n_in):
+    pointers, ptr, gather, n_in = _band_pointers(topo, transposed, band)
+    n_out, bands = ptr.numel() - 1, -(-n_in // band)
+    assert pointers.shape == (bands + 1, n_out) and pointers.dtype == torch.int32
+    assert torch.equal(pointers[0], ptr[:-1]) and torch.equal(pointers[-1], ptr[1:])
+    assert (pointers[1:] >= pointers[:-1]).all()  # so the bands split each segment's range
+    pointers, gather = pointers.cpu(), gather.cpu()
+    for s in range(n_out):
         for t in range(bands):
-            in_band = rows[pointers[t, c] : pointers[t + 1, c]]
-            assert ((in_band >= t * band_rows) & (in_band < (t + 1) * band_rows)).all()
-    assert tb._band_pointers(topo, band_rows) is tb._band_pointers(topo, band_rows)  # cached
+            in_band = gather[pointers[t, s] : pointers[t + 1, s]]
+            assert ((in_band >= t * band) & (in_band < (t + 1) * band)).all()
+    assert _band_pointers(topo, transposed, band)[0] is _band_pointers(topo, transposed, band)[0]  # cached
 
 
-def test_patch_walk_takes_taller_bands_than_a_grid_axis_holds(monkeypatch):
-    topo, _, dy, values = _inputs("64x40", 3)
-    monkeypatch.setattr(tb, "_MAX_GRID_1", 5)  # 64 rows in at most 5 bands: 13 rows each, not PATCH_ROWS
-    monkeypatch.setattr(tb, "PATCH_ROWS", 4)
-    heights = []
+@pytest.mark.parametrize(("op", "height"), [("spmm", 8), ("spmm_t", 13)])
+def test_patch_forms_take_wider_bands_than_a_grid_axis_holds(monkeypatch, op, height):
+    """64 × 40: 40 columns (SpMM) or 64 rows (transposed) in at most 5 bands, not PATCH_BAND wide."""
+    topo, x, dy, values = _inputs("64x40", 3)
+    dense = x if op == "spmm" else dy
+    monkeypatch.setattr(tb, "_MAX_GRID_1", 5)
+    monkeypatch.setattr(tb, "PATCH_BAND", 4)
+    widths = []
     real = tb._band_pointers
-    monkeypatch.setattr(tb, "_band_pointers", lambda topo, rows: heights.append(rows) or real(topo, rows))
-    torch.testing.assert_close(tb.spmm_t(dy, values, topo, form="patches"), reference.spmm_t(dy, values, topo))
-    assert heights == [13]
+    monkeypatch.setattr(tb, "_band_pointers", lambda *args: widths.append(args[-1]) or real(*args))
+    got = getattr(tb, op)(dense, values, topo, form="patches")
+    torch.testing.assert_close(got, getattr(reference, op)(dense, values, topo))
+    assert widths == [height]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -179,7 +187,7 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
     """Half inputs, compared with the fp32 reference on the same (already rounded) inputs."""
     topo, x, dy, values = _inputs(case, batch, dtype)
     x32, dy32, values32 = x.float(), dy.float(), values.float()
-    for form in ("segment", "pointer"):
+    for form in tb.FORMS:
         got = tb.spmm(x, values, topo, form=form)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), reference.spmm(x32, values32, topo), **TOL[dtype])
@@ -193,9 +201,6 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         assert dvalues.dtype == dbias.dtype == dtype
         torch.testing.assert_close(dvalues.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
         torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
-    got = tb.spmm_t(dy, values, topo, form="patches")
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
     dx, dvalues, dbias = tb.spmm_backward(dy, x, values, topo, bias_grad=True, walk="row")
     assert dx.dtype == dvalues.dtype == dbias.dtype == dtype
     torch.testing.assert_close(dx.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
@@ -219,8 +224,6 @@ def test_rejects_unsupported_dtype_and_form():
         tb.spmm(x.double(), values.double(), topo)
     with pytest.raises(ValueError, match="form must be"):
         tb.spmm(x, values, topo, form="dense")
-    with pytest.raises(ValueError, match=r"form must be one of \('segment', 'pointer'\), got 'patches'"):
-        tb.spmm(x, values, topo, form="patches")  # the patch walk is the transposed SpMM's only
     with pytest.raises(ValueError, match=r"form must be one of \('segment', 'pointer', 'patches'\), got 'dense'"):
         tb.spmm_t(torch.zeros(2, 5, device=DEVICE), values, topo, form="dense")
     with pytest.raises(ValueError, match="form must be"):
@@ -453,24 +456,27 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(kernel_bench, "_graph_us", graph_call_once)
     monkeypatch.setattr(kernel_bench, "_PROFILED_STEPS", 2)
     args = kernel_bench.parse_args(
-        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "5", "--train-batch", "1", "5"]
+        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "8", "--train-batch", "1", "5"]
     )
     result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
-    assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 5]
-    assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS)
+    assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 8]
+    # the SpMM by patches from batch 8 (_PATCH_SPMM_MIN_BATCH) only
+    assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS) - {"patches"}
+    assert set(result["spmm"]["rows"][1]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
     n_spmm = len(kernel_bench.SPMM_VARIANTS)
     n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VARIANT_OPS) + len(kernel_bench._WHOLE_STEPS)
-    assert len(graph_shapes) == 2 * (n_spmm + n_step)
-    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[:n_spmm])
-    assert all(shape in ((5, 9), (9, 5)) for shape in graph_shapes[n_spmm : 2 * n_spmm])
+    n_spmm_calls = 2 * n_spmm - 1
+    assert len(graph_shapes) == n_spmm_calls + 2 * n_step
+    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[: n_spmm - 1])
+    assert all(shape in ((8, 9), (9, 8)) for shape in graph_shapes[n_spmm - 1 : n_spmm_calls])
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
-    assert graph_shapes[2 * n_spmm : 2 * n_spmm + 2] == [(1, 9), (1, 20)]
+    assert graph_shapes[n_spmm_calls : n_spmm_calls + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
     # sddmm[segment], sddmm[pointer], spmm_t[pointer], backward[column], backward[row], spmm_t[patches/...] × 3
     variants = [(nnz,), (nnz,)] + [(1, 20)] * 6
-    assert graph_shapes[2 * n_spmm + n_step - 10 : 2 * n_spmm + n_step] == [*variants, (1, 9), (1, 9)]
+    assert graph_shapes[n_spmm_calls + n_step - 10 : n_spmm_calls + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -478,7 +484,7 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     assert json.loads((tmp_path / "r.json").read_text())["train"]["rows"][1]["graph_us"]["sddmm"] == 2.0
 
 
-@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize("form", tb.FORMS)
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_spmm_adds_the_bias(form, case, batch, blocks):
     topo, x, _, values = _inputs(case, batch)
@@ -522,12 +528,15 @@ def test_tile_configs_keep_every_lane_busy_without_spilling(block_b):
     assert all(low <= block_b * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high for c in kept)
 
 
-def test_patch_configs_are_pruned_by_the_patch_width():
-    """The patch walk's tiles are ``BLOCK_C × BLOCK_K``: pruned as a batch tile of ``BLOCK_C`` rows."""
-    kept = tuning.tile_configs_for(tuning.TILE_CONFIGS, {}, WHILE_LOOP=False, BLOCK_C=tb.PATCH_COLUMNS)
-    assert kept == tuning.tile_configs_for(tuning.TILE_CONFIGS, {}, BLOCK_B=tb.PATCH_COLUMNS)
+@pytest.mark.parametrize("block_b", [1, 8, 32])
+def test_patch_configs_are_pruned_by_the_whole_tile(block_b):
+    """A patch's tile is ``BLOCK_S × BLOCK_K × BLOCK_B``: as wide as a pointer tile of
+    ``BLOCK_S · BLOCK_B`` batch rows."""
+    kept = tuning.tile_configs_for(tuning.PATCH_CONFIGS, {}, BLOCK_S=tb.PATCH_SEGMENTS, BLOCK_B=block_b)
+    rows = tb.PATCH_SEGMENTS * block_b
+    assert kept == tuning.tile_configs_for(tuning.PATCH_CONFIGS, {}, BLOCK_B=rows)
     assert 1 <= len(kept) <= 16
-    assert all(tb.PATCH_COLUMNS * c.kwargs["BLOCK_K"] <= tuning.MAX_TILE_ELEMENTS for c in kept)
+    assert all(rows * c.kwargs["BLOCK_K"] <= tuning.MAX_TILE_ELEMENTS for c in kept)
 
 
 @pytest.mark.parametrize("compiled_launch", [False, True])
@@ -692,8 +701,9 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
         tb.spmm(x, values, topo, form="segment")
     with pytest.raises(RuntimeError, match=r"walk='row'.*use_deterministic_algorithms\(True\)"):
         tb.spmm_backward(dy, x, values, topo, walk="row")
-    with pytest.raises(RuntimeError, match=r"form='patches'.*use_deterministic_algorithms\(True\)"):
-        tb.spmm_t(dy, values, topo, form="patches")
+    for op, dense in (("spmm", x), ("spmm_t", dy)):
+        with pytest.raises(RuntimeError, match=rf"{op}\(form='patches'\).*use_deterministic_algorithms\(True\)"):
+            getattr(tb, op)(dense, values, topo, form="patches")
     deterministic(True, warn_only=True)
     with pytest.warns(UserWarning, match=r"walk='row'"):
         dx, _ = tb.spmm_backward(dy, x, values, topo, walk="row")
@@ -705,26 +715,31 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
     says so), not the whole run's."""
     from snack.backends.triton import kernel_bench
 
-    real_backward, real_patches = tb.spmm_backward, tb._patch_spmm_t
+    real_backward, real_patches = tb.spmm_backward, tb._patch_spmm
 
     def wrong_row_walk(*args, walk="column", **kwargs):
         grads = real_backward(*args, walk=walk, **kwargs)
         return (grads[0] + 1, *grads[1:]) if walk == "row" else grads
 
-    def wrong_tall_patches(*args, band_rows=None):
-        dx = real_patches(*args, band_rows=band_rows)
-        return dx + 1 if band_rows == 512 else dx
+    def wrong_patches(*args, transposed, band=None):  # the SpMM's, and the transposed SpMM's tallest
+        y = real_patches(*args, transposed=transposed, band=band)
+        return y + 1 if band == 512 or not transposed else y
 
     monkeypatch.setattr(tb, "spmm_backward", wrong_row_walk)
-    monkeypatch.setattr(tb, "_patch_spmm_t", wrong_tall_patches)
+    monkeypatch.setattr(tb, "_patch_spmm", wrong_patches)
     monkeypatch.setattr(kernel_bench, "_us", lambda fn: 1.0 if fn() is not None else None)
     monkeypatch.setattr(kernel_bench, "_graph_us", lambda fn: 2.0 if fn() is not None else None)
     monkeypatch.setattr(kernel_bench, "_PROFILED_STEPS", 2)
     args = kernel_bench.parse_args(
-        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "1", "--train-batch", "1"]
+        ["--out", str(tmp_path / "r.json"), "--size", "9x20", "--batch", "8", "--train-batch", "1"]
     )
-    row = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)["train"]["rows"][0]
+    result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
     err = capsys.readouterr().err
+    spmm = result["spmm"]["rows"][0]
+    assert "patches WRONG, not timed: patches SpMM at batch 8: relative error" in err
+    assert list(spmm["prepared_errors"]) == ["patches"] and "patches" not in spmm["graph_us"]
+    assert spmm["graph_us"]["pointer"] == 2.0
+    row = result["train"]["rows"][0]
     assert "backward[row] WRONG, not timed: training step (backward[row]) dX at batch 1" in err
     assert "spmm_t[patches/512] WRONG, not timed: training step (spmm_t[patches/512]) dX at batch 1" in err
     assert set(row["prepared_errors"]) == {"backward[row]", "spmm_t[patches/512]"}

@@ -53,20 +53,27 @@ The row walk (``spmm_backward(walk="row")``)
     the random reads has not been measured on a GPU yet (``kernel_bench`` times both walks);
     layers run the column walk until it has.
 
-The patch walk (``spmm_t(form="patches")``)
-    Another answer to the same random reads, also not measured on a GPU yet (``kernel_bench``
-    times it against the column walk): one program per *patch* of ``W`` — a block of
-    ``PATCH_COLUMNS`` (64) columns × a band of ``PATCH_ROWS`` (256) rows — walks the patch's
-    columns side by side, in column order as the pointer form does, and adds its partial sums
-    into a float32 ``dx`` by one atomic add per column, band and batch row (``B · in · bands``
-    in all: 65 536 at B=1 for 4096², against 1.7 M non-zeros at 90%). A row's non-zeros inside a
-    block of 64 columns are neighbours in ``values`` (6.4 of them at 90%), so the patch's value
-    loads share 32-byte sectors, fetched from L2 once and then served by L1: by count, about 2×
-    the values' bytes of L2 traffic instead of 8× (one sector per 4-byte value). A cached
-    ``(bands + 1, in)`` pointer array (:func:`_band_pointers`) says where each column's
-    non-zeros of each band start. Each batch row is a program of its own that walks its patch
-    again (the values from L2 again), so if it wins anywhere, it will be at batch 1 or 2. Layers
-    run the column walk until a GPU has measured this.
+The patch forms (``form="patches"``)
+    Another answer to the same random reads, and to the forward's at larger batch, not measured
+    on a GPU yet (``kernel_bench`` times them against the pointer form). One program per *patch*
+    of ``W`` — a block of ``PATCH_SEGMENTS`` (64) segments (rows of ``W`` for SpMM, columns for
+    the transposed SpMM) × a band of ``PATCH_BAND`` (256) inputs — walks the patch's segments
+    side by side, in segment order as the pointer form does, and adds its partial sums into a
+    float32 output by one atomic add per segment, band and batch row (``B · n_out · bands`` in
+    all: 65 536 at B=1 for 4096²). Its loads stay inside the band, where L1 serves them again:
+
+    * transposed SpMM, small batch: a row's non-zeros inside a block of 64 columns are neighbours
+      in ``values`` (6.4 of them at 90%), so the values read through ``csc_perm`` share 32-byte
+      sectors: by count about 2× the values' bytes of L2 traffic instead of 8× (one sector per
+      4-byte value);
+    * SpMM, batch 8-64: each gathered row of ``Xᵀ`` (``BLOCK_B`` values) serves every row of
+      the patch that has a non-zero in that column (about 3 of 64 at 95%), where the pointer form
+      fetches it from L2 once per non-zero (107 MB at B=32, 95%, 4096²).
+
+    A cached ``(bands + 1, n_out)`` pointer array (:func:`_band_pointers`) says where each
+    segment's non-zeros of each band start. Batch tiles hold at most ``PATCH_MAX_BLOCK_B`` (32)
+    rows; each tile is a program of its own that walks its patch again. Layers run the pointer
+    form until a GPU has measured these.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -99,9 +106,10 @@ __all__ = [
     "spmm_form",
     "spmm_t",
     "supports",
-    "PATCH_COLUMNS",
-    "PATCH_ROWS",
-    "SPMM_T_FORMS",
+    "FORMS",
+    "PATCH_BAND",
+    "PATCH_MAX_BLOCK_B",
+    "PATCH_SEGMENTS",
     "WALKS",
 ]
 
@@ -112,13 +120,15 @@ _DEFAULT_SM_COUNT = 132
 TRANSPOSE_MIN_BATCH = 4
 # Largest batch tile of the pointer form and the SDDMM (accumulator BLOCK_B × BLOCK_K in registers).
 MAX_BLOCK_B = 64
-# The patches of spmm_t(form="patches"): blocks of columns × bands of rows (module docstring).
-PATCH_COLUMNS = 64
-PATCH_ROWS = 256
+# The patches of form="patches": blocks of segments × bands of inputs, batch tiles of at most
+# PATCH_MAX_BLOCK_B rows (module docstring).
+PATCH_SEGMENTS = 64
+PATCH_BAND = 256
+PATCH_MAX_BLOCK_B = 32
 # How spmm_backward walks the weight (module docstring, *The row walk*).
 WALKS = ("column", "row")
-# The forms spmm_t takes: the SpMM's and the patch walk (module docstring).
-SPMM_T_FORMS = ("segment", "pointer", "patches")
+# The forms spmm and spmm_t take (module docstring).
+FORMS = ("segment", "pointer", "patches")
 # CUDA caps grid axes 1 and 2 at 65535 programs.
 _MAX_GRID_1 = 65535
 # Programs along the batch of the kernels that stride over the rest of it (segment SpMM, patch
@@ -220,20 +230,22 @@ def _cols_in_column_order(topo: TopologyTensors) -> Tensor:
     return derived("triton_cols_by_column", (topo.col, topo.csc_perm), lambda: topo.col.index_select(0, topo.csc_perm))
 
 
-def _band_pointers(topo: TopologyTensors, band_rows: int) -> Tensor:
-    """``(bands + 1, in)`` int32, cached per topology and band height: ``[t, c]`` is the
-    column-order position where column ``c``'s non-zeros of rows ``>= t · band_rows`` begin
-    (``bands = cdiv(out, band_rows)``; row ``bands`` is ``colptr[1:]``)."""
+def _band_pointers(
+    name: str, sources: tuple[Tensor, ...], segment: Tensor, gather: Tensor, n_out: int, n_in: int, band: int
+) -> Tensor:  # fmt: skip
+    """``(bands + 1, n_out)`` int32, cached under ``name`` for ``sources`` (the topology tensors
+    ``segment`` and ``gather`` come from) and the band width: ``[t, s]`` is the position where
+    segment ``s``'s non-zeros with ``gather >= t · band`` begin (``bands = cdiv(n_in, band)``; row
+    ``bands`` is where the segment ends). ``segment``, ``gather``: ``(nnz,)`` int32 in segment
+    order, which sorts ``gather`` within a segment."""
 
     def build() -> Tensor:
-        n_out, n_in = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
-        # (col, row) as one int64 key: sorted, since column order sorts rows within a column
-        keys = _cols_in_column_order(topo).long() * n_out + _rows_in_column_order(topo)
-        band_starts = torch.arange(_cdiv(n_out, band_rows) + 1, device=keys.device) * band_rows
-        queries = torch.arange(n_in, device=keys.device) * n_out + band_starts.clamp_(max=n_out)[:, None]
+        keys = segment.long() * n_in + gather  # sorted: (segment, gather) in segment order
+        band_starts = torch.arange(_cdiv(n_in, band) + 1, device=keys.device) * band
+        queries = torch.arange(n_out, device=keys.device) * n_in + band_starts.clamp_(max=n_in)[:, None]
         return torch.searchsorted(keys, queries).to(torch.int32)
 
-    return derived(f"triton_band_pointers_{band_rows}", (topo.row, topo.csc_perm), build)
+    return derived(f"{name}_{band}", sources, build)
 
 
 def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
@@ -288,7 +300,7 @@ def _pointer_spmm(
     return y
 
 
-def _check_form(form: str, forms: tuple[str, ...] = ("segment", "pointer")) -> None:
+def _check_form(form: str, forms: tuple[str, ...] = FORMS) -> None:
     if form not in forms:
         raise ValueError(f"form must be one of {forms}, got {form!r}")
 
@@ -309,7 +321,10 @@ def spmm(
     _check_form(form)
     if form == "pointer":
         return _pointer_spmm(_batch_contiguous(x), x.shape[0], values, topo.rowptr, topo.col, n_out, bias)
-    y = _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, n_out)
+    if form == "patches":
+        y = _patch_spmm(_batch_contiguous(x), x.shape[0], values, topo, transposed=False)
+    else:
+        y = _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, n_out)
     return y if bias is None else y.add_(bias)
 
 
@@ -320,12 +335,12 @@ def _spmm_t(
     pointer form reads; the segment form reads ``dy`` itself)."""
     n_in = topo.colptr.numel() - 1
     form = form or spmm_form(dy.shape[0], n_in, dy.device)
-    _check_form(form, SPMM_T_FORMS)
+    _check_form(form)
     rows = _rows_in_column_order(topo)
     if form == "pointer":
         return _pointer_spmm(dy_layout, dy.shape[0], values, topo.colptr, rows, n_in, value_index=topo.csc_perm)
     if form == "patches":
-        return _patch_spmm_t(dy_layout, dy.shape[0], values, topo)
+        return _patch_spmm(dy_layout, dy.shape[0], values, topo, transposed=True)
     cols = _cols_in_column_order(topo)
     return _segment_spmm(dy, values, topo.colptr, cols, rows, n_in, value_index=topo.csc_perm)
 
@@ -335,32 +350,45 @@ def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | Non
     """``dX = dY·W``: ``dy (B, out)`` → ``(B, in)``, walking ``W`` by column (module docstring).
 
     Args:
-        form: as for :func:`spmm`, or ``"patches"`` (module docstring, *The patch walk*).
+        form: as for :func:`spmm`.
     """
     _check_dtype("spmm_t", dy, values)
     return _spmm_t(_batch_contiguous(dy), dy, values, topo, form)
 
 
-def _patch_spmm_t(
-    dy_layout: tuple[Tensor, int, int], batch: int, values: Tensor, topo: TopologyTensors, band_rows: int | None = None
-) -> Tensor:
-    """``dx (B, in)`` by patches of ``PATCH_COLUMNS`` columns × ``band_rows`` rows (default
-    ``PATCH_ROWS``) from ``dy`` as :func:`_batch_contiguous` lays it out."""
-    _alert_not_deterministic("snack's Triton spmm_t(form='patches')")
-    dy_storage, stride_db, stride_dr = dy_layout
-    n_out, n_in = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
+def _patch_spmm(
+    a_layout: tuple[Tensor, int, int], batch: int, values: Tensor, topo: TopologyTensors, transposed: bool,
+    band: int | None = None,
+) -> Tensor:  # fmt: skip
+    """``Y = X·Wᵀ`` (``transposed=False``) or ``dX = dY·W`` by patches of ``PATCH_SEGMENTS``
+    segments × ``band`` inputs (default ``PATCH_BAND``), from ``a`` as :func:`_batch_contiguous`
+    lays it out: ``(B, n_out)`` in its dtype (module docstring, *The patch forms*)."""
+    op = "spmm_t" if transposed else "spmm"
+    _alert_not_deterministic(f"snack's Triton {op}(form='patches')")
+    a_storage, stride_ab, stride_ai = a_layout
+    n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
+    n_out, n_in = (n_cols, n_rows) if transposed else (n_rows, n_cols)
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
-    dx = torch.zeros(batch, n_in, device=dy_storage.device, dtype=torch.float32)
-    if batch > 0 and topo.col.numel() > 0:
-        # taller bands where there would be more than a grid axis takes
-        band_pointers = _band_pointers(topo, max(band_rows or PATCH_ROWS, _cdiv(n_out, _MAX_GRID_1)))
-        grid = (_cdiv(n_in, PATCH_COLUMNS), band_pointers.shape[0] - 1, min(batch, _BATCH_GRID_LIMIT))
-        tuning.launch(
-            "patch_spmm_t", grid,
-            dy_storage, values, topo.csc_perm, band_pointers, _rows_in_column_order(topo), dx, batch, n_in,
-            stride_db, stride_dr, WHILE_LOOP=tuning.INTERPRETED, BLOCK_C=PATCH_COLUMNS,
-        )  # fmt: skip
-    return dx.to(dy_storage.dtype)
+    y = torch.zeros(batch, n_out, device=a_storage.device, dtype=torch.float32)
+    if batch == 0 or topo.col.numel() == 0:
+        return y.to(a_storage.dtype)
+    band = max(band or PATCH_BAND, _cdiv(n_in, _MAX_GRID_1))  # wider bands where a grid axis runs out
+    if transposed:  # segments are columns, in column order
+        gather, value_index = _rows_in_column_order(topo), topo.csc_perm
+        sources, segment = (topo.row, topo.col, topo.csc_perm), _cols_in_column_order(topo)
+        band_pointers = _band_pointers("triton_column_bands", sources, segment, gather, n_out, n_in, band)
+    else:
+        gather, value_index = topo.col, None
+        band_pointers = _band_pointers("triton_row_bands", (topo.row, topo.col), topo.row, gather, n_out, n_in, band)
+    block_b = min(_block_b(batch), PATCH_MAX_BLOCK_B)
+    grid = (_cdiv(n_out, PATCH_SEGMENTS), band_pointers.shape[0] - 1, min(_cdiv(batch, block_b), _BATCH_GRID_LIMIT))
+    tuning.launch(
+        "patch_spmm", grid,
+        a_storage, values, gather if value_index is None else value_index, band_pointers, gather, y, batch, n_out,
+        stride_ab, stride_ai, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=tuning.INTERPRETED,
+        BLOCK_S=PATCH_SEGMENTS, BLOCK_B=block_b,
+    )  # fmt: skip
+    return y.to(a_storage.dtype)
 
 
 def _sddmm(

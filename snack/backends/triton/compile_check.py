@@ -19,8 +19,9 @@ import traceback
 # (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
 # read values sequentially (forward) or through csc_perm (INDIRECT_VALUES: a transposed SpMM); the
 # pointer kernel adds the bias in its epilogue in a layer's forward; the SDDMM of a training step also
-# sums the bias gradient (BIAS_GRAD), as does the backward's row walk; the patch walk is a
-# transposed SpMM of its own.
+# sums the bias gradient (BIAS_GRAD), as does the backward's row walk. The patch kernel (prepared for
+# measurement) compiles for the batch tiles where it may win (its BLOCK_B; the others take _BLOCK_B):
+# 1 for the transposed SpMM, 32 for the SpMM.
 _NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
     ("segment_spmm", "segment_spmm", _NO_FLAGS),
@@ -35,7 +36,8 @@ _VARIANTS = [
     ("pointer_sddmm[bias,tiles]", "pointer_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": False}),
     ("rowwise_backward", "rowwise_backward", {"BIAS_GRAD": False}),
     ("rowwise_backward[bias]", "rowwise_backward", {"BIAS_GRAD": True}),
-    ("patch_spmm_t", "patch_spmm_t", {}),
+    ("patch_spmm[indirect]", "patch_spmm", {"INDIRECT_VALUES": True, "BLOCK_B": 1}),
+    ("patch_spmm[B=32]", "patch_spmm", {**_NO_FLAGS, "BLOCK_B": 32}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[dict[str, str], dict[str, object]]:
     """Argument types and constexpr values of one kernel variant, as ``ASTSource`` takes them."""
-    from snack.backends.triton.backend import PATCH_COLUMNS
+    from snack.backends.triton.backend import PATCH_SEGMENTS
     from snack.backends.triton.tuning import FIXED_CONFIGS
 
     t = _DTYPES[dtype]
@@ -78,11 +80,11 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
         pointers = {"dy_ptr": t, "x_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
         scalars = ["batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
         constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
-    elif kernel_name == "patch_spmm_t":
-        pointers = {"dy_ptr": t, "values_ptr": t, "csc_perm_ptr": "i32", "band_ptr_ptr": "i32", "rows_ptr": "i32",
-                    "dx_ptr": "fp32"}  # fmt: skip
-        scalars = ["batch", "n_in", "stride_db", "stride_dr"]
-        constexprs = {"WHILE_LOOP": False, "BLOCK_C": PATCH_COLUMNS, **config}
+    elif kernel_name == "patch_spmm":
+        pointers = {"a_ptr": t, "values_ptr": t, "value_index_ptr": "i32", "band_ptr_ptr": "i32",
+                    "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
+        scalars = ["batch", "n_out", "stride_ab", "stride_ai"]
+        constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_S": PATCH_SEGMENTS, **config}
     else:  # rowwise_backward
         pointers = {"dy_ptr": t, "x_ptr": t, "values_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "dx_ptr": "fp32",
                     "dvalues_ptr": t, "bias_grad_ptr": t}  # fmt: skip

@@ -25,9 +25,9 @@ Every kernel multiplies and accumulates in float32 whatever the storage dtype (f
 * :func:`rowwise_backward_kernel` — a training step's whole backward in one pass by row, for
   small batches: the pointer SDDMM's products and bias gradient, and ``dX`` by atomic adds
   instead of a second pass by column (the backend's ``walk="row"``).
-* :func:`patch_spmm_t_kernel` — the transposed SpMM by *patches* of ``W`` (a block of columns ×
-  a band of rows): a patch's value loads share sectors; one atomic add per column, band and
-  batch row (the backend's ``spmm_t(form="patches")``).
+* :func:`patch_spmm_kernel` — either SpMM by *patches* of ``W`` (a block of segments × a band of
+  inputs): a patch's loads stay inside its band, where L1 serves them again; one atomic add per
+  segment, band and batch row (the backend's ``form="patches"``).
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "KERNELS", "pointer_sddmm_kernel", "pointer_spmm_kernel", "rowwise_backward_kernel", "segment_sddmm_kernel",
-    "segment_spmm_kernel", "patch_spmm_t_kernel",
+    "KERNELS", "patch_spmm_kernel", "pointer_sddmm_kernel", "pointer_spmm_kernel", "rowwise_backward_kernel",
+    "segment_sddmm_kernel", "segment_spmm_kernel",
 ]  # fmt: skip
 
 
@@ -418,67 +418,75 @@ def rowwise_backward_kernel(
 
 
 @triton.jit
-def _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
-                        BLOCK_K: tl.constexpr):  # fmt: skip
-    # acc[c, j] += values[csc_perm[p]] · dy[b, rows[p]] at the column-order positions
-    # p = start[c] + k0 + j < end[c] of each column c of the patch (dy_b points at dy[b, 0]).
+def _patch_chunk(acc, k0, start, end, a_b, mask_b, values_ptr, value_index_ptr, gather_index_ptr, stride_ai,
+                 INDIRECT_VALUES: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc[s, j, b] += values[p] · a[b, gather[p]] at the positions p = start[s] + k0 + j < end[s] of
+    # each segment s of the patch (a_b: the batch tile's row offsets into a, (1, 1, BLOCK_B)).
     pos = start[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
     mask = pos < end[:, None]
-    row = tl.load(rows_ptr + pos, mask=mask, other=0).to(tl.int64)
-    value = _load_values(values_ptr, csc_perm_ptr, pos, mask, True)
-    dy = tl.load(dy_b + row * stride_dr, mask=mask, other=0.0).to(tl.float32)
-    return acc + value * dy
+    gather = tl.load(gather_index_ptr + pos, mask=mask, other=0).to(tl.int64)
+    value = _load_values(values_ptr, value_index_ptr, pos, mask, INDIRECT_VALUES)
+    a_mask = mask[:, :, None] & mask_b[None, None, :]
+    a = tl.load(a_b + (gather * stride_ai)[:, :, None], mask=a_mask, other=0.0).to(tl.float32)
+    return acc + value[:, :, None] * a
 
 
-@triton.jit(do_not_specialize=["batch", "n_in"])
-def patch_spmm_t_kernel(
-    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
-    values_ptr,  # (nnz,) in row order
-    csc_perm_ptr,  # (nnz,) int32 position in values of each non-zero in column order
-    band_ptr_ptr,  # (bands + 1, n_in) int32: column c's non-zeros in row band t are [band_ptr[t, c], band_ptr[t+1, c])
-    rows_ptr,  # (nnz,) int32 row of each non-zero in column order
-    dx_ptr,  # (B, n_in) float32, zeroed: accumulated into with atomics
+@triton.jit(do_not_specialize=["batch", "n_out"])
+def patch_spmm_kernel(
+    a_ptr,  # dense input (B, n_in) read at [b, gather_index] through (stride_ab, stride_ai)
+    values_ptr,  # (nnz,) in segment order, or in any order read through value_index_ptr
+    value_index_ptr,  # (nnz,) int32 position in values of each non-zero; unused unless INDIRECT_VALUES
+    band_ptr_ptr,  # (bands + 1, n_out) int32: segment s's non-zeros in band t are [band_ptr[t, s], band_ptr[t+1, s])
+    gather_index_ptr,  # (nnz,) int32 input index of each non-zero, in segment order
+    y_ptr,  # (B, n_out) float32, zeroed: accumulated into with atomics
     batch,
-    n_in,
-    stride_db,
-    stride_dr,
+    n_out,
+    stride_ab,
+    stride_ai,
+    INDIRECT_VALUES: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``dx[b, c] += Σ_{k in column c, row_k in band t} values[k] · dy[b, row_k]`` for the patch of
-    ``W`` made of the ``BLOCK_C`` columns of block ``program_id(0)`` and the rows of band
-    ``t = program_id(1)``, and the batch rows ``program_id(2), + num_programs(2), ...``; one atomic
-    add per column, band and batch row.
+    """``y[b, s] += Σ_{k in segment s, gather_k in band t} values[k] · a[b, gather_k]`` for one
+    *patch* of ``W`` — the ``BLOCK_S`` segments of block ``program_id(0)`` (rows for SpMM, columns
+    for the transposed SpMM) × the inputs of band ``t = program_id(1)`` — and the batch tiles
+    ``program_id(2), + num_programs(2), ...``; one atomic add per segment, band and batch row.
 
-    The patch's columns are walked together, ``BLOCK_K`` non-zeros of each per step. A row's
-    non-zeros in a block of columns sit side by side in ``values`` (row order), so the program's
-    value loads share 32-byte sectors, which L1 serves after the first; one column's walk, as in
-    :func:`pointer_spmm_kernel` with ``INDIRECT_VALUES``, pays a sector of L2 traffic per value.
-    ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = offs_c < n_in
-    band_start = band_ptr_ptr + tl.program_id(1).to(tl.int64) * n_in
-    start = tl.load(band_start + offs_c, mask=mask_c, other=0)
-    end = tl.load(band_start + n_in + offs_c, mask=mask_c, other=0)
+    The patch's segments are walked side by side, ``BLOCK_K`` non-zeros of each per step, so its
+    loads stay inside the band: the band's inputs ``a[:, band]`` are gathered by every segment
+    of the patch (served by L1 after the first), and in the transposed SpMM a row's non-zeros
+    inside a block of columns sit side by side in ``values`` (row order), so the values read
+    through ``value_index`` share 32-byte sectors. A whole segment's walk (the pointer form)
+    pays L2 traffic for each. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n_out
+    band_start = band_ptr_ptr + tl.program_id(1).to(tl.int64) * n_out
+    start = tl.load(band_start + offs_s, mask=mask_s, other=0)
+    end = tl.load(band_start + n_out + offs_s, mask=mask_s, other=0)
     length = tl.max(end - start, axis=0)
-    has_nonzeros = mask_c & (end > start)
-    b = tl.program_id(2).to(tl.int64)
-    while b < batch:
-        dy_b = dy_ptr + b * stride_db
-        acc = tl.zeros((BLOCK_C, BLOCK_K), dtype=tl.float32)
+    has_nonzeros = mask_s & (end > start)
+    tile = tl.program_id(2)
+    while tile * BLOCK_B < batch:
+        offs_b = tile * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < batch
+        a_b = a_ptr + (offs_b.to(tl.int64) * stride_ab)[None, None, :]
+        # A 3-D accumulator, reduced once after the loop, keeps the inner loop free of reductions.
+        acc = tl.zeros((BLOCK_S, BLOCK_K, BLOCK_B), dtype=tl.float32)
         if WHILE_LOOP:
             k0 = 0
             while k0 < length:
-                acc = _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
-                                          BLOCK_K)  # fmt: skip
+                acc = _patch_chunk(acc, k0, start, end, a_b, mask_b, values_ptr, value_index_ptr, gather_index_ptr,
+                                   stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
                 k0 += BLOCK_K
         else:
             for k0 in range(0, length, BLOCK_K):
-                acc = _patch_spmm_t_chunk(acc, k0, start, end, dy_b, values_ptr, csc_perm_ptr, rows_ptr, stride_dr,
-                                          BLOCK_K)  # fmt: skip
-        tl.atomic_add(dx_ptr + b * n_in + offs_c, tl.sum(acc, axis=1), mask=has_nonzeros, sem="relaxed")
-        b += tl.num_programs(2)
+                acc = _patch_chunk(acc, k0, start, end, a_b, mask_b, values_ptr, value_index_ptr, gather_index_ptr,
+                                   stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
+        y_addr = y_ptr + offs_b.to(tl.int64)[None, :] * n_out + offs_s[:, None]
+        tl.atomic_add(y_addr, tl.sum(acc, axis=1), mask=has_nonzeros[:, None] & mask_b[None, :], sem="relaxed")
+        tile += tl.num_programs(2)
 
 
 # name -> kernel, for tools that walk every kernel (compile-check).
@@ -488,5 +496,5 @@ KERNELS = {
     "segment_sddmm": segment_sddmm_kernel,
     "pointer_sddmm": pointer_sddmm_kernel,
     "rowwise_backward": rowwise_backward_kernel,
-    "patch_spmm_t": patch_spmm_t_kernel,
+    "patch_spmm": patch_spmm_kernel,
 }

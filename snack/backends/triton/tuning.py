@@ -3,9 +3,9 @@
 Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
-    (key: batch); pointer, SDDMM and patch-walk tiles ``BLOCK_K`` ∈ {4, …, 256} × ``num_warps`` ∈
-    {1, …, 8} (key: ``BLOCK_B``, or the patch width ``BLOCK_C``, and the kernel's flags), pruned to
-    tiles of at most 2048 elements with 2–16 per thread, which keep every lane busy without
+    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} (patches: {1, …, 32}) ×
+    ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at
+    most 2048 elements with 2–16 per thread, which keep every lane busy without
     spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile. The first H200
     run's configs gave a 128-thread program a 32- or 64-wide tile at batch 1, leaving half its
     lanes idle. A sweep on the H200 (95%, 4096²)
@@ -43,8 +43,8 @@ import triton
 from snack.backends.triton import kernels
 
 __all__ = [
-    "AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PICKED", "TILE_CONFIGS", "TUNED", "launch",
-    "tile_configs_for",
+    "AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PATCH_CONFIGS", "PICKED", "TILE_CONFIGS", "TUNED",
+    "launch", "tile_configs_for",
 ]  # fmt: skip
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
@@ -61,7 +61,7 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "rowwise_backward": {"BLOCK_K": 64, "num_warps": 4},
-    "patch_spmm_t": {"BLOCK_K": 16, "num_warps": 4},
+    "patch_spmm": {"BLOCK_K": 1, "num_warps": 4},  # its 64 × 1 × 32 tile at batch 32: no spills
 }
 
 
@@ -77,6 +77,8 @@ _SEGMENT_CONFIGS = [
     triton.Config({"BLOCK_NNZ": n, "ROWS_PER_PROGRAM": r}, num_warps=4) for n in (128, 256, 512) for r in (1, 4)
 ]
 TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (4, 8, 16, 32, 64, 128, 256) for w in (1, 2, 4, 8)]
+# A patch's tile is already BLOCK_S × BLOCK_B wide: down to one non-zero per segment and step.
+PATCH_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
 # Tile elements (BLOCK_B × BLOCK_K) per thread worth trying: fewer idle lanes, more spill registers.
 TILE_ELEMENTS_PER_THREAD = (2, 16)
 # Largest tile: one program holds it twice in registers (the gathered operand and the accumulator).
@@ -84,10 +86,10 @@ MAX_TILE_ELEMENTS = 2048
 
 
 def tile_configs_for(configs: list, named_args: dict, **kwargs) -> list:
-    """The tile configs worth timing for the call's ``BLOCK_B`` (or, in the patch walk, whose
-    tiles are ``BLOCK_C × BLOCK_K``, its ``BLOCK_C``): an autotune ``early_config_prune``."""
+    """The tile configs worth timing for the call's ``BLOCK_B`` (the patch kernel's tiles are
+    ``BLOCK_S × BLOCK_K × BLOCK_B``): an autotune ``early_config_prune``."""
     low, high = TILE_ELEMENTS_PER_THREAD
-    tile_rows = kwargs["BLOCK_B"] if "BLOCK_B" in kwargs else kwargs["BLOCK_C"]
+    tile_rows = kwargs.get("BLOCK_S", 1) * kwargs["BLOCK_B"]
     kept = [
         c for c in configs
         if low <= tile_rows * c.kwargs["BLOCK_K"] / (32 * c.num_warps) <= high
@@ -104,7 +106,7 @@ _AUTOTUNE_KEYS = {
     "segment_sddmm": ("BLOCK_B", "BIAS_GRAD"),
     "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
     "rowwise_backward": ("BLOCK_B", "BIAS_GRAD"),
-    "patch_spmm_t": ("BLOCK_C",),
+    "patch_spmm": ("BLOCK_S", "BLOCK_B", "INDIRECT_VALUES"),
 }
 # kernel name -> positions of its autotune key's non-constexpr arguments (none under the
 # interpreter, which does not autotune)
@@ -125,14 +127,15 @@ TUNED = {
         name: _autotuned(kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED)
         for name in ("pointer_spmm", "segment_sddmm", "pointer_sddmm")
     },
-    # They accumulate dX by atomic adds: likewise.
-    **{
-        name: _autotuned(
-            kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED,
-            reset_to_zero=["dx_ptr"],
-        )
-        for name in ("rowwise_backward", "patch_spmm_t")
-    },
+    # They accumulate by atomic adds: likewise.
+    "rowwise_backward": _autotuned(
+        kernels.rowwise_backward_kernel, TILE_CONFIGS, list(_AUTOTUNE_KEYS["rowwise_backward"]),
+        prune_configs_by=_PRUNED, reset_to_zero=["dx_ptr"],
+    ),
+    "patch_spmm": _autotuned(
+        kernels.patch_spmm_kernel, PATCH_CONFIGS, list(_AUTOTUNE_KEYS["patch_spmm"]), prune_configs_by=_PRUNED,
+        reset_to_zero=["y_ptr"],
+    ),
 }
 # (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
 # config the autotuner picked for them (module docstring, *Launches*)
