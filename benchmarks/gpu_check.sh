@@ -8,7 +8,7 @@
 #   env.txt              GPU, driver, torch / triton / python versions
 #   compile_check.txt    `snack compile-check --arch 80 --arch 90`
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
-#   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer (/ patches) vs Dense+Mask,
+#   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer / patches vs Dense+Mask,
 #   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
 #                        from CUDA graphs; both SDDMM forms, both walks of the backward and
 #                        the transposed SpMM's column and patch walks; a host profile of the

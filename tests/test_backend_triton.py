@@ -461,16 +461,17 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
     assert [row["batch"] for row in result["spmm"]["rows"]] == [1, 8]
     # the SpMM by patches from batch 8 (_PATCH_SPMM_MIN_BATCH) only
-    assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS) - {"patches"}
+    patches = set(kernel_bench._PATCH_SPMM_VARIANTS)
+    assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS) - patches
     assert set(result["spmm"]["rows"][1]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
     n_spmm = len(kernel_bench.SPMM_VARIANTS)
     n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VARIANT_OPS) + len(kernel_bench._WHOLE_STEPS)
-    n_spmm_calls = 2 * n_spmm - 1
+    n_spmm_calls = 2 * n_spmm - len(patches)
     assert len(graph_shapes) == n_spmm_calls + 2 * n_step
-    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[: n_spmm - 1])
-    assert all(shape in ((8, 9), (9, 8)) for shape in graph_shapes[n_spmm - 1 : n_spmm_calls])
+    assert all(shape in ((1, 9), (9, 1)) for shape in graph_shapes[: n_spmm - len(patches)])
+    assert all(shape in ((8, 9), (9, 8)) for shape in graph_shapes[n_spmm - len(patches) : n_spmm_calls])
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[n_spmm_calls : n_spmm_calls + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
@@ -721,9 +722,9 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
         grads = real_backward(*args, walk=walk, **kwargs)
         return (grads[0] + 1, *grads[1:]) if walk == "row" else grads
 
-    def wrong_patches(*args, transposed, band=None):  # the SpMM's, and the transposed SpMM's tallest
+    def wrong_patches(*args, transposed, band=None):  # the widest bands'
         y = real_patches(*args, transposed=transposed, band=band)
-        return y + 1 if band == 512 or not transposed else y
+        return y + 1 if band == 512 else y
 
     monkeypatch.setattr(tb, "spmm_backward", wrong_row_walk)
     monkeypatch.setattr(tb, "_patch_spmm", wrong_patches)
@@ -736,9 +737,9 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
     result = kernel_bench.benchmark(args, torch.device(DEVICE), graphs=True)
     err = capsys.readouterr().err
     spmm = result["spmm"]["rows"][0]
-    assert "patches WRONG, not timed: patches SpMM at batch 8: relative error" in err
-    assert list(spmm["prepared_errors"]) == ["patches"] and "patches" not in spmm["graph_us"]
-    assert spmm["graph_us"]["pointer"] == 2.0
+    assert "patches/512 WRONG, not timed: patches/512 SpMM at batch 8: relative error" in err
+    assert list(spmm["prepared_errors"]) == ["patches/512"] and "patches/512" not in spmm["graph_us"]
+    assert spmm["graph_us"]["pointer"] == spmm["graph_us"]["patches/256"] == 2.0
     row = result["train"]["rows"][0]
     assert "backward[row] WRONG, not timed: training step (backward[row]) dX at batch 1" in err
     assert "spmm_t[patches/512] WRONG, not timed: training step (spmm_t[patches/512]) dX at batch 1" in err

@@ -4,8 +4,8 @@
 weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096)``):
 
 * ``segment`` / ``pointer`` — the two forms of snack's Triton SpMM that layers run (see :mod:`.backend`);
-* ``patches`` — the SpMM by patches, prepared for measurement (from batch 8; checked first, and
-  not timed if wrong);
+* ``patches/BAND`` — the SpMM by patches of 64 rows × a band of ``BAND`` columns, prepared for
+  measurement (from batch 8; checked first, and not timed if wrong);
 * ``snack_op`` — ``torch.ops.snack.spmm`` as a layer calls it (heuristic form + dispatcher);
 * ``dense_mask`` — Dense+Mask: ``X · (W ⊙ M)ᵀ`` with the mask applied every call, as a masked layer does;
 * ``csr`` — ``torch.sparse.mm`` on a CSR weight (cuSPARSE), with ``Xᵀ`` prepared outside the timing;
@@ -41,20 +41,22 @@ import warnings
 import torch
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
-SPMM_VARIANTS = ["segment", "pointer", "patches", "snack_op", "dense_mask", "csr", "dense"]
-# The SpMM by patches (prepared for measurement, not run by layers: backend, *The patch forms*) is
-# timed from this batch up: below it a row of Xᵀ is short and the pointer form already reads the
-# values in order; and each batch tile autotunes (compiles) anew on the GPU machine.
+# Band widths the patch forms (prepared for measurement, not run by layers: backend, *The patch
+# forms*) are timed with: 256 is the backend's PATCH_BAND.
+_PATCH_BANDS = (128, 256, 512)
+_PATCH_SPMM_VARIANTS = [f"patches/{band}" for band in _PATCH_BANDS]
+SPMM_VARIANTS = ["segment", "pointer", *_PATCH_SPMM_VARIANTS, "snack_op", "dense_mask", "csr", "dense"]
+# The SpMM by patches is timed from this batch up: below it a row of Xᵀ is short and the pointer
+# form already reads the values in order; and each batch tile autotunes (compiles) anew on the GPU.
 _PATCH_SPMM_MIN_BATCH = 8
 # the products of a training step: snack's three ops, then their dense counterparts; then whole steps
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
 # Variants prepared for measurement that layers do not run yet: a training step's whole backward
 # (bias gradient included) walking the weight by row (one pass, dX by atomic adds;
-# backend.spmm_backward's walk), and the transposed SpMM by patches of 64 columns × bands of 128,
-# 256 (the backend's PATCH_BAND) or 512 rows. Each is checked against the reference first: a wrong
+# backend.spmm_backward's walk), and the transposed SpMM by patches of 64 columns × a band of
+# rows (_PATCH_BANDS). Each is checked against the reference first: a wrong
 # one loses its own timings (and says so), not the run's.
-_PATCH_BAND_ROWS = (128, 256, 512)
-_PREPARED = ["backward[row]", *(f"spmm_t[patches/{rows}]" for rows in _PATCH_BAND_ROWS)]
+_PREPARED = ["backward[row]", *(f"spmm_t[patches/{band}]" for band in _PATCH_BANDS)]
 # the SDDMM's two forms (the backend's rule between them is measured here); the transposed SpMM's
 # column walk and the whole backward as layers run them (spmm_t + SDDMM); then the prepared variants
 _VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]", "spmm_t[pointer]", "backward[column]", *_PREPARED]
@@ -87,7 +89,7 @@ def _baseline_us(name: str, fn) -> float | None:
     try:
         return _us(fn)
     except RuntimeError as error:
-        if name in ("segment", "pointer", "patches", "snack_op"):
+        if name in ("segment", "pointer", "snack_op", *_PATCH_SPMM_VARIANTS):
             raise
         print(f"  ({name} unavailable: {error})", file=sys.stderr)
         return None
@@ -121,14 +123,16 @@ def _spmm_fns(x, values, tensors, weight, mask, csr) -> dict:
     fns = {
         "segment": lambda: tb.spmm(x, values, tensors, form="segment"),
         "pointer": lambda: tb.spmm(x, values, tensors, form="pointer"),
-        "patches": lambda: tb.spmm(x, values, tensors, form="patches"),
         "snack_op": lambda: torch.ops.snack.spmm(x, values, *tensors),
         "dense_mask": lambda: x @ (weight * mask).t(),
         "csr": lambda: torch.sparse.mm(csr, xt),
         "dense": lambda: x @ weight.t(),
     }
-    if x.shape[0] < _PATCH_SPMM_MIN_BATCH:
-        del fns["patches"]
+    if x.shape[0] >= _PATCH_SPMM_MIN_BATCH:
+        for band in _PATCH_BANDS:
+            fns[f"patches/{band}"] = lambda band=band: tb._patch_spmm(
+                tb._batch_contiguous(x), x.shape[0], values, tensors, transposed=False, band=band
+            )
     return fns
 
 
@@ -161,9 +165,9 @@ def _prepared_ops(x, grad, values, tensors) -> dict:
     from snack.backends.triton import backend as tb
 
     ops = {"backward[row]": lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True, walk="row")}
-    for rows in _PATCH_BAND_ROWS:
-        ops[f"spmm_t[patches/{rows}]"] = lambda rows=rows: (
-            tb._patch_spmm(tb._batch_contiguous(grad), grad.shape[0], values, tensors, transposed=True, band=rows),
+    for band in _PATCH_BANDS:
+        ops[f"spmm_t[patches/{band}]"] = lambda band=band: (
+            tb._patch_spmm(tb._batch_contiguous(grad), grad.shape[0], values, tensors, transposed=True, band=band),
         )
     assert list(ops) == _PREPARED
     return ops
@@ -193,16 +197,16 @@ def _spmm_rows(args, device, dtype, bandwidth):
         scale = expected.abs().max().item()
         errors, prepared_errors = {}, {}
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        for name in ("segment", "pointer", "patches", "snack_op"):
+        for name in ("segment", "pointer", "snack_op", *_PATCH_SPMM_VARIANTS):
             if name not in fns:
                 continue
             errors[name] = (fns[name]().float() - expected).abs().max().item() / scale
             if errors[name] <= tol:
                 continue
             message = f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}"
-            if name != "patches":
+            if name not in _PATCH_SPMM_VARIANTS:
                 raise AssertionError(message)
-            print(f"  patches WRONG, not timed: {message}", file=sys.stderr)  # a prepared variant
+            print(f"  {name} WRONG, not timed: {message}", file=sys.stderr)  # a prepared variant
             prepared_errors[name] = message
             del fns[name]
         times = {name: _baseline_us(name, fn) for name, fn in fns.items()}
@@ -439,7 +443,7 @@ def print_tables(result: dict) -> None:
     print(
         "\nThe SDDMM's two forms; the transposed SpMM's column walk and the backward as layers run them;\n"
         "the prepared variants: the backward's row walk, the transposed SpMM by patches of 64 columns × "
-        f"{'/'.join(map(str, _PATCH_BAND_ROWS))} rows\n(backward: bias gradient included), from CUDA graphs (µs):"
+        f"{'/'.join(map(str, _PATCH_BANDS))} rows\n(backward: bias gradient included), from CUDA graphs (µs):"
     )
     print(f"{'B':>3} " + " ".join(f"{op:>19}" for op in _VARIANT_OPS))
     for row in train["rows"]:
