@@ -711,6 +711,23 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
     torch.testing.assert_close(dx, expected_dx)
 
 
+def test_kernel_bench_weighs_each_prepared_variant_against_what_layers_run(capsys):
+    from snack.backends.triton import kernel_bench
+
+    spmm_rows = [
+        {"batch": 1, "us": {"pointer": 1.0}, "graph_us": {"pointer": 4.0}},  # not timed below batch 8
+        {"batch": 8, "us": {"patches/256": 1.0}, "graph_us": {"pointer": 10.0, "patches/256": 4.0}},
+    ]
+    times = {"snack": 30.0, "dense": 90.0, "backward[column]": 20.0, "backward[row]": 8.0, "spmm_t[pointer]": 15.0}
+    times.update({"spmm_t[patches/128]": 6.0, "spmm_t[patches/256]": 5.0})  # /512 wrong: not timed
+    kernel_bench._print_prepared_verdicts(spmm_rows, [{"batch": 1, "graph_us": times}])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1] == "  SpMM       B=8   pointer / patches/256 2.50"  # the widths timed (and right)
+    assert "backward[column] / backward[row] 2.50; spmm_t[pointer] / patches/128 2.50, patches/256 3.00" in lines[2]
+    assert lines[3].strip() == "step with the row walk ≈ 18.0 µs: 5.00× nn.Linear"  # 30 - 20 + 8
+    assert lines[4].strip() == "step with the fastest patches ≈ 20.0 µs: 4.50× nn.Linear"  # 30 - 15 + 5
+
+
 def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, tmp_path, capsys):
     """A prepared variant that computes wrong gradients on some GPU loses its own timings (and
     says so), not the whole run's."""

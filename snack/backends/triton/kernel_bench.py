@@ -449,6 +449,7 @@ def print_tables(result: dict) -> None:
     for row in train["rows"]:
         g = row.get("graph_us", {})
         print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 19) for op in _VARIANT_OPS))
+    _print_prepared_verdicts(spmm["rows"], train["rows"])
     print(f"\nHost profile of the eager snack step ({train['host_profile'].splitlines()[0]}):")
     print("\n".join(train["host_profile"].splitlines()[1:]))
     if result.get("autotuned"):
@@ -456,6 +457,40 @@ def print_tables(result: dict) -> None:
         for name, picks in result["autotuned"].items():
             for key, config in picks.items():
                 print(f"  {name} {key}: {config}")
+
+
+def _print_prepared_verdicts(spmm_rows: list[dict], train_rows: list[dict]) -> None:
+    """Each prepared variant against what layers run, from the CUDA-graph times: the ratio
+    current / prepared (above 1: the prepared variant is faster), and the training step as it
+    would be with the row walk, or the fastest transposed SpMM by patches, in place of what it
+    replaces (an estimate: the step's time plus the difference of the two kernels' times)."""
+    print("\nPrepared variants against what layers run, from CUDA graphs: current µs / prepared µs (> 1: faster)")
+    for row in spmm_rows:
+        g = row.get("graph_us", {})
+        cells = [f"{v} {_ratio(g.get('pointer'), g.get(v))}" for v in _PATCH_SPMM_VARIANTS if v in row["us"]]
+        if cells:
+            print(f"  SpMM       B={row['batch']:<3} pointer / " + ", ".join(cells))
+    for row in train_rows:
+        g = row.get("graph_us", {})
+        patches = {v: g[v] for v in _PREPARED[1:] if g.get(v) is not None}
+        cells = ", ".join(f"{v[len('spmm_t[') : -1]} {_ratio(g.get('spmm_t[pointer]'), t)}" for v, t in patches.items())
+        print(
+            f"  training   B={row['batch']:<3} backward[column] / backward[row] "
+            f"{_ratio(g.get('backward[column]'), g.get('backward[row]'))}; spmm_t[pointer] / {cells or '-'}"
+        )
+        replacements = {
+            "the row walk": ("backward[column]", g.get("backward[row]")),
+            "the fastest patches": ("spmm_t[pointer]", min(patches.values(), default=None)),
+        }
+        for name, (replaced, prepared) in replacements.items():
+            current, step, linear = g.get(replaced), g.get("snack"), g.get("dense")
+            if None not in (prepared, current, step, linear):
+                estimate = step - current + prepared
+                print(f"{'':18}step with {name} ≈ {estimate:.1f} µs: {linear / estimate:.2f}× nn.Linear")
+
+
+def _ratio(current: float | None, prepared: float | None) -> str:
+    return f"{current / prepared:.2f}" if current is not None and prepared else "-"
 
 
 def _cell(value: float | None, width: int) -> str:
