@@ -131,8 +131,8 @@ WALKS = ("column", "row")
 FORMS = ("segment", "pointer", "patches")
 # CUDA caps grid axes 1 and 2 at 65535 programs.
 _MAX_GRID_1 = 65535
-# Programs along the batch of the kernels that stride over the rest of it (segment SpMM, patch
-# walk); a name of its own so that tests can shrink it.
+# Programs along the batch of the kernels that stride over the rest of it (the segment SpMM, the
+# patch forms); a name of its own so that tests can shrink it.
 _BATCH_GRID_LIMIT = _MAX_GRID_1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -300,9 +300,9 @@ def _pointer_spmm(
     return y
 
 
-def _check_form(form: str, forms: tuple[str, ...] = FORMS) -> None:
-    if form not in forms:
-        raise ValueError(f"form must be one of {forms}, got {form!r}")
+def _check_form(form: str) -> None:
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
 
 
 @_on_the_tensors_device
@@ -313,7 +313,8 @@ def spmm(
 
     Args:
         bias: ``(out,)`` added to every row (inside the pointer form's kernel).
-        form: ``"segment"`` or ``"pointer"`` to override :func:`spmm_form` (benchmarks, tests).
+        form: ``"segment"`` or ``"pointer"`` to override :func:`spmm_form`, or ``"patches"``
+            (module docstring, *The patch forms*): benchmarks, tests.
     """
     _check_dtype("spmm", x, values)
     n_out = topo.rowptr.numel() - 1
