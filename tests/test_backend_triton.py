@@ -85,7 +85,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "segment_sddmm", {"BLOCK_K": 16, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "rowwise_backward", {"BLOCK_K": 4, "num_warps": 4})
-        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm", {"BLOCK_K": 2, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm", {"BLOCK_K": 2, "NUM_STAGES": 1, "num_warps": 4})
         monkeypatch.setattr(tb, "PATCH_SEGMENTS", 4)
         monkeypatch.setattr(tb, "PATCH_BAND", 8)
         monkeypatch.setattr(tb, "PATCH_MAX_BLOCK_B", 2)
@@ -536,7 +536,8 @@ def test_patch_configs_are_pruned_by_the_whole_tile(block_b):
     kept = tuning.tile_configs_for(tuning.PATCH_CONFIGS, {}, BLOCK_S=tb.PATCH_SEGMENTS, BLOCK_B=block_b)
     rows = tb.PATCH_SEGMENTS * block_b
     assert kept == tuning.tile_configs_for(tuning.PATCH_CONFIGS, {}, BLOCK_B=rows)
-    assert 1 <= len(kept) <= 16
+    assert 1 <= len(kept) <= 32  # 16 tiles at most, each pipelined or not
+    assert {c.kwargs["NUM_STAGES"] for c in kept} == {1, 3}
     assert all(rows * c.kwargs["BLOCK_K"] <= tuning.MAX_TILE_ELEMENTS for c in kept)
 
 

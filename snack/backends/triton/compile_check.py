@@ -21,7 +21,7 @@ import traceback
 # pointer kernel adds the bias in its epilogue in a layer's forward; the SDDMM of a training step also
 # sums the bias gradient (BIAS_GRAD), as does the backward's row walk. The patch kernel (prepared for
 # measurement) compiles for the batch tiles where it may win (its BLOCK_B; the others take _BLOCK_B):
-# 1 for the transposed SpMM, 32 for the SpMM.
+# 1 for the transposed SpMM, 32 for the SpMM; with its loop software-pipelined (NUM_STAGES) or not.
 _NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
     ("segment_spmm", "segment_spmm", _NO_FLAGS),
@@ -37,7 +37,9 @@ _VARIANTS = [
     ("rowwise_backward", "rowwise_backward", {"BIAS_GRAD": False}),
     ("rowwise_backward[bias]", "rowwise_backward", {"BIAS_GRAD": True}),
     ("patch_spmm[indirect]", "patch_spmm", {"INDIRECT_VALUES": True, "BLOCK_B": 1}),
+    ("patch_spmm[indirect,stages]", "patch_spmm", {"INDIRECT_VALUES": True, "BLOCK_B": 1, "NUM_STAGES": 3}),
     ("patch_spmm[B=32]", "patch_spmm", {**_NO_FLAGS, "BLOCK_B": 32}),
+    ("patch_spmm[B=32,stages]", "patch_spmm", {**_NO_FLAGS, "BLOCK_B": 32, "NUM_STAGES": 3}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -84,7 +86,7 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
         pointers = {"a_ptr": t, "values_ptr": t, "value_index_ptr": "i32", "band_ptr_ptr": "i32",
                     "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip
         scalars = ["batch", "n_out", "stride_ab", "stride_ai"]
-        constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_S": PATCH_SEGMENTS, **config}
+        constexprs = {"WHILE_LOOP": False, "BLOCK_S": PATCH_SEGMENTS, **config, **flags}
     else:  # rowwise_backward
         pointers = {"dy_ptr": t, "x_ptr": t, "values_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "dx_ptr": "fp32",
                     "dvalues_ptr": t, "bias_grad_ptr": t}  # fmt: skip

@@ -149,7 +149,9 @@ def pointer_spmm_kernel(
 
     ``WHILE_LOOP`` walks the segment with a while loop, for Triton 3.6's interpreter, which cannot
     iterate ``range()`` over runtime bounds (its scalars are 1-element arrays that NumPy >= 2.4
-    refuses to convert to int). Compiled kernels keep the for loop, which Triton software-pipelines.
+    refuses to convert to int). Compiled kernels keep the for loop. Triton 3.6 does not
+    software-pipeline it (its PTX has no ``cp.async``; :func:`patch_spmm_kernel` shows how to ask):
+    these kernels hide load latency with many small programs per SM instead.
     """
     seg = tl.program_id(0)
     offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -319,9 +321,8 @@ def pointer_sddmm_kernel(
     ``bias_grad[r] = Σ_b dy[b, r]`` with ``BIAS_GRAD`` (an empty row writes only that).
 
     The row index is never read. With ``SINGLE_TILE`` (``batch <= BLOCK_B``: up to batch 64) the
-    row's ``dy`` values are loaded once, before the loop over its non-zeros, which Triton then
-    pipelines; a larger batch loops over its tiles inside each chunk of non-zeros, still summing
-    in float32. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    row's ``dy`` values are loaded once, before the loop over its non-zeros; a larger batch loops
+    over its tiles inside each chunk of non-zeros, still summing in float32. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
     row = tl.program_id(0)
     start = tl.load(rowptr_ptr + row)
     end = tl.load(rowptr_ptr + row + 1)
@@ -448,6 +449,7 @@ def patch_spmm_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """``y[b, s] += Σ_{k in segment s, gather_k in band t} values[k] · a[b, gather_k]`` for one
     *patch* of ``W`` — the ``BLOCK_S`` segments of block ``program_id(0)`` (rows for SpMM, columns
@@ -459,7 +461,12 @@ def patch_spmm_kernel(
     of the patch (served by L1 after the first), and in the transposed SpMM a row's non-zeros
     inside a block of columns sit side by side in ``values`` (row order), so the values read
     through ``value_index`` share 32-byte sectors. A whole segment's walk (the pointer form)
-    pays L2 traffic for each. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
+    pays L2 traffic for each.
+
+    A program walks its patch in a long loop of dependent loads (indices, then what they point
+    at), so ``NUM_STAGES > 1`` has Triton software-pipeline it (``cp.async`` copies that many
+    steps ahead, through shared memory, which L1 gives up); a plain ``range`` loop is not
+    pipelined. ``WHILE_LOOP`` as for :func:`pointer_spmm_kernel`."""
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     mask_s = offs_s < n_out
     band_start = band_ptr_ptr + tl.program_id(1).to(tl.int64) * n_out
@@ -481,7 +488,7 @@ def patch_spmm_kernel(
                                    stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
                 k0 += BLOCK_K
         else:
-            for k0 in range(0, length, BLOCK_K):
+            for k0 in tl.range(0, length, BLOCK_K, num_stages=NUM_STAGES):
                 acc = _patch_chunk(acc, k0, start, end, a_b, mask_b, values_ptr, value_index_ptr, gather_index_ptr,
                                    stride_ai, INDIRECT_VALUES, BLOCK_K)  # fmt: skip
         y_addr = y_ptr + offs_b.to(tl.int64)[None, :] * n_out + offs_s[:, None]

@@ -3,10 +3,11 @@
 Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
-    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} (patches: {1, …, 32}) ×
-    ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's flags), pruned to tiles of at
-    most 2048 elements with 2–16 per thread, which keep every lane busy without spilling
-    registers (:func:`tile_configs_for`): 2 to 15 configs per batch tile. The first H200 run's
+    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} (patches: {1, …, 32}, each
+    with a pipelined loop or not) × ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's
+    flags), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep every lane
+    busy without spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile
+    (patches: 4 to 30). The first H200 run's
     configs gave a 128-thread program a 32- or 64-wide tile at batch 1, leaving half its lanes
     idle. A sweep on the H200 (95%, 4096²) found the fastest pointer tiles well inside this
     space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8 and 4-16 at batch 16-64 (B=16:
@@ -60,7 +61,7 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "rowwise_backward": {"BLOCK_K": 64, "num_warps": 4},
-    "patch_spmm": {"BLOCK_K": 1, "num_warps": 4},  # its 64 × 1 × 32 tile at batch 32: no spills
+    "patch_spmm": {"BLOCK_K": 1, "NUM_STAGES": 1, "num_warps": 4},  # its 64 × 1 × 32 tile at batch 32: no spills
 }
 
 
@@ -76,8 +77,12 @@ _SEGMENT_CONFIGS = [
     triton.Config({"BLOCK_NNZ": n, "ROWS_PER_PROGRAM": r}, num_warps=4) for n in (128, 256, 512) for r in (1, 4)
 ]
 TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (4, 8, 16, 32, 64, 128, 256) for w in (1, 2, 4, 8)]
-# A patch's tile is already BLOCK_S × BLOCK_B wide: down to one non-zero per segment and step.
-PATCH_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
+# A patch's tile is already BLOCK_S × BLOCK_B wide: down to one non-zero per segment and step; its
+# loop software-pipelined or not (NUM_STAGES: kernels.patch_spmm_kernel).
+PATCH_CONFIGS = [
+    triton.Config({"BLOCK_K": k, "NUM_STAGES": s}, num_warps=w)
+    for k in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8) for s in (1, 3)
+]  # fmt: skip
 # Tile elements (BLOCK_B × BLOCK_K) per thread worth trying: fewer idle lanes, more spill registers.
 TILE_ELEMENTS_PER_THREAD = (2, 16)
 # Largest tile: one program holds it twice in registers (the gathered operand and the accumulator).
