@@ -740,7 +740,9 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
         grads = real_backward(*args, walk=walk, **kwargs)
         return (grads[0] + 1, *grads[1:]) if walk == "row" else grads
 
-    def wrong_patches(*args, transposed, band=None):  # the widest bands'
+    def wrong_patches(*args, transposed, band=None):  # the widest bands' are wrong, the narrowest raise
+        if band == 128:
+            raise RuntimeError("out of resources")
         y = real_patches(*args, transposed=transposed, band=band)
         return y + 1 if band == 512 else y
 
@@ -756,12 +758,15 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
     err = capsys.readouterr().err
     spmm = result["spmm"]["rows"][0]
     assert "patches/512 WRONG, not timed: patches/512 SpMM at batch 8: relative error" in err
-    assert list(spmm["prepared_errors"]) == ["patches/512"] and "patches/512" not in spmm["graph_us"]
+    assert "patches/128 WRONG, not timed: patches/128 SpMM at batch 8: raised RuntimeError: out of resources" in err
+    assert set(spmm["prepared_errors"]) == {"patches/128", "patches/512"}
+    assert "patches/128" not in spmm["graph_us"] and "patches/512" not in spmm["graph_us"]
     assert spmm["graph_us"]["pointer"] == spmm["graph_us"]["patches/256"] == 2.0
     row = result["train"]["rows"][0]
     assert "backward[row] WRONG, not timed: training step (backward[row]) dX at batch 1" in err
     assert "spmm_t[patches/512] WRONG, not timed: training step (spmm_t[patches/512]) dX at batch 1" in err
-    assert set(row["prepared_errors"]) == {"backward[row]", "spmm_t[patches/512]"}
+    assert "training step (spmm_t[patches/128]) at batch 1: raised RuntimeError: out of resources" in err
+    assert set(row["prepared_errors"]) == {"backward[row]", "spmm_t[patches/128]", "spmm_t[patches/512]"}
     assert row["prepared_errors"]["backward[row]"].startswith("training step (backward[row]) dX at batch 1: relative")
     timed = row["graph_us"]
     assert "backward[row]" not in timed and "spmm_t[patches/512]" not in timed

@@ -200,11 +200,15 @@ def _spmm_rows(args, device, dtype, bandwidth):
         for name in ("segment", "pointer", "snack_op", *_PATCH_SPMM_VARIANTS):
             if name not in fns:
                 continue
-            errors[name] = (fns[name]().float() - expected).abs().max().item() / scale
-            if errors[name] <= tol:
-                continue
-            message = f"{name} SpMM at batch {batch}: relative error {errors[name]:.2e} > {tol}"
-            if name not in _PATCH_SPMM_VARIANTS:
+            prepared = name in _PATCH_SPMM_VARIANTS
+            y, failure = _run_prepared(fns[name]) if prepared else (fns[name](), None)
+            if y is not None:
+                errors[name] = (y.float() - expected).abs().max().item() / scale
+                if errors[name] <= tol:
+                    continue
+                failure = f"relative error {errors[name]:.2e} > {tol}"
+            message = f"{name} SpMM at batch {batch}: {failure}"
+            if not prepared:
                 raise AssertionError(message)
             print(f"  {name} WRONG, not timed: {message}", file=sys.stderr)  # a prepared variant
             prepared_errors[name] = message
@@ -228,8 +232,8 @@ def _spmm_rows(args, device, dtype, bandwidth):
 def _check_step(layer, x, grad, dtype) -> dict[str, str]:
     """Gradients of a Triton-backend step, and of the :data:`_PREPARED` variants, against the
     reference backend. Raises on a mismatch of the layer's step; returns the variants that
-    disagree, with their mismatch as text, so that a wrong prepared variant loses its own
-    timings, not the run's (the row walk is skipped above its batch limit)."""
+    disagree or raise, with what went wrong as text, so that a wrong prepared variant loses its
+    own timings, not the run's (the row walk is skipped above its batch limit)."""
     import snack
     from snack.backends.triton import backend as tb
 
@@ -244,7 +248,12 @@ def _check_step(layer, x, grad, dtype) -> dict[str, str]:
     prepared = _prepared_ops(x.detach(), grad, layer.values.detach(), layer.topology.tensors())
     if x.shape[0] > tb.MAX_BLOCK_B:
         del prepared["backward[row]"]
-    results.update({name: [g.float() for g in fn()[:2]] for name, fn in prepared.items()})
+    failed = {}
+    for name, fn in prepared.items():
+        outputs, failure = _run_prepared(fn)
+        if outputs is not None:
+            results[name] = [g.float() for g in outputs[:2]]
+        failed[name] = failure and f"training step ({name}) at batch {x.shape[0]}: {failure}"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
 
     def mismatch(variant: str) -> str | None:
@@ -256,7 +265,17 @@ def _check_step(layer, x, grad, dtype) -> dict[str, str]:
 
     if (message := mismatch("triton")) is not None:
         raise AssertionError(message)
-    return {name: message for name in prepared if (message := mismatch(name)) is not None}
+    return {name: message for name in prepared if (message := failed[name] or mismatch(name)) is not None}
+
+
+def _run_prepared(fn):
+    """``(fn(), None)``, or ``(None, what it raised)``: a prepared variant that fails to compile or
+    launch on some GPU (a Python-level error; a CUDA fault would end the run anyway) is reported
+    and skipped, as a wrong one is."""
+    try:
+        return fn(), None
+    except Exception as error:  # noqa: BLE001 - reported in the results, and the variant skipped
+        return None, f"raised {type(error).__name__}: {error}"
 
 
 def _train_rows(args, device, dtype):
