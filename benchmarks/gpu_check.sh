@@ -10,10 +10,10 @@
 #   pytest.txt           tests/test_backend_triton.py on CUDA tensors (fixed configs)
 #   kernel_bench.json    SpMM at 95% sparsity, B=1..64: segment / pointer / patches vs Dense+Mask,
 #   kernel_bench.txt     cuSPARSE CSR and dense; training step vs nn.Linear at 90%, eager and
-#                        from CUDA graphs; both SDDMM forms, both walks of the backward and
-#                        the transposed SpMM's column and patch walks; a host profile of the
-#                        eager step; the autotuned configs. Checks the autotuned kernels (and
-#                        the prepared variants) against dense results first
+#                        from CUDA graphs; the SDDMM's and transposed SpMM's forms (patches
+#                        included) and both walks of the backward, weighed against what layers
+#                        run; a host profile of the eager step; the autotuned configs. Checks
+#                        the autotuned kernels (and the prepared variants) against dense first
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)

@@ -86,6 +86,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "pointer_sddmm", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "rowwise_backward", {"BLOCK_K": 4, "num_warps": 4})
         monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_spmm", {"BLOCK_K": 2, "NUM_STAGES": 1, "num_warps": 4})
+        monkeypatch.setitem(tuning.FIXED_CONFIGS, "patch_sddmm", {"BLOCK_K": 2, "NUM_STAGES": 1, "num_warps": 4})
         monkeypatch.setattr(tb, "PATCH_SEGMENTS", 4)
         monkeypatch.setattr(tb, "PATCH_BAND", 8)
         monkeypatch.setattr(tb, "PATCH_MAX_BLOCK_B", 2)
@@ -125,7 +126,7 @@ def test_spmm_forms_match_reference(op, form, case, batch, blocks):
     torch.testing.assert_close(got, expected, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize("form", tb.FORMS)
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_sddmm_matches_reference(form, case, batch, blocks):
     topo, x, dy, _ = _inputs(case, batch)
@@ -193,7 +194,7 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
         torch.testing.assert_close(got.float(), reference.spmm(x32, values32, topo), **TOL[dtype])
         got = tb.spmm_t(dy, values, topo, form=form)
         torch.testing.assert_close(got.float(), reference.spmm_t(dy32, values32, topo), **TOL[dtype])
-    for form in ("segment", "pointer"):
+    for form in tb.FORMS:
         got = tb.sddmm(dy, x, topo, form=form)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), reference.sddmm(dy32, x32, topo), **TOL[dtype])
@@ -465,6 +466,8 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     assert set(result["spmm"]["rows"][0]["us"]) == set(kernel_bench.SPMM_VARIANTS) - patches
     assert set(result["spmm"]["rows"][1]["us"]) == set(kernel_bench.SPMM_VARIANTS)
     assert all(err < 1e-4 for row in result["spmm"]["rows"] for err in row["rel_error"].values())
+    # every prepared variant agreed with the reference, so all were timed
+    assert not any("prepared_errors" in row for row in result["spmm"]["rows"] + result["train"]["rows"])
     # each batch's graph timings ran that batch's inputs (cuSPARSE's output is transposed)
     n_spmm = len(kernel_bench.SPMM_VARIANTS)
     n_step = len(kernel_bench._STEP_OPS) + len(kernel_bench._VARIANT_OPS) + len(kernel_bench._WHOLE_STEPS)
@@ -475,9 +478,10 @@ def test_kernel_bench_runs_and_checks_its_results(monkeypatch, tmp_path, capsys)
     # training step at batch 1: spmm, spmm_t, ..., then the whole steps (their outputs)
     assert graph_shapes[n_spmm_calls : n_spmm_calls + 2] == [(1, 9), (1, 20)]
     nnz = nnz_for_sparsity(9, 20, 0.9)  # the training layer's
-    # sddmm[segment], sddmm[pointer], spmm_t[pointer], backward[column], backward[row], spmm_t[patches/...] × 3
-    variants = [(nnz,), (nnz,)] + [(1, 20)] * 6
-    assert graph_shapes[n_spmm_calls + n_step - 10 : n_spmm_calls + n_step] == [*variants, (1, 9), (1, 9)]
+    # sddmm[segment], sddmm[pointer], spmm_t[pointer], backward[column], backward[row],
+    # spmm_t[patches/...] × 3, sddmm[patches/...] × 3
+    variants = [(nnz,), (nnz,)] + [(1, 20)] * 6 + [(nnz,)] * 3
+    assert graph_shapes[n_spmm_calls + n_step - 13 : n_spmm_calls + n_step] == [*variants, (1, 9), (1, 9)]
     assert "eager steps at batch 1" in result["train"]["host_profile"]
     assert "function calls" in result["train"]["host_profile"]  # cProfile's header
     kernel_bench.print_tables(result)
@@ -494,7 +498,7 @@ def test_spmm_adds_the_bias(form, case, batch, blocks):
     torch.testing.assert_close(got, reference.spmm(x, values, topo) + bias, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("form", ["segment", "pointer"])
+@pytest.mark.parametrize("form", tb.FORMS)
 @pytest.mark.parametrize("bias_grad", [False, True])
 @pytest.mark.parametrize(("case", "batch"), CASES)
 def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, form, blocks, monkeypatch):
@@ -692,6 +696,7 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
     topo, x, dy, values = _inputs("33x17", 3)  # 33 rows: the segment forms otherwise
     # the references first: on CUDA they may use ops that deterministic mode refuses
     expected_y, expected_dx = reference.spmm(x, values, topo), reference.spmm_t(dy, values, topo)
+    expected_dvalues = reference.sddmm(dy, x, topo)
     assert tb.spmm_form(3, 33, DEVICE) == "segment"
     deterministic(True)
     assert tb.spmm_form(3, 33, DEVICE) == "pointer"
@@ -706,6 +711,7 @@ def test_deterministic_algorithms_get_the_pointer_forms_and_refuse_atomics(deter
     for op, dense in (("spmm", x), ("spmm_t", dy)):
         with pytest.raises(RuntimeError, match=rf"{op}\(form='patches'\).*use_deterministic_algorithms\(True\)"):
             getattr(tb, op)(dense, values, topo, form="patches")
+    torch.testing.assert_close(tb.sddmm(dy, x, topo, form="patches"), expected_dvalues)  # no atomics: allowed
     deterministic(True, warn_only=True)
     with pytest.warns(UserWarning, match=r"walk='row'"):
         dx, _ = tb.spmm_backward(dy, x, values, topo, walk="row")
@@ -719,14 +725,21 @@ def test_kernel_bench_weighs_each_prepared_variant_against_what_layers_run(capsy
         {"batch": 1, "us": {"pointer": 1.0}, "graph_us": {"pointer": 4.0}},  # not timed below batch 8
         {"batch": 8, "us": {"patches/256": 1.0}, "graph_us": {"pointer": 10.0, "patches/256": 4.0}},
     ]
-    times = {"snack": 30.0, "dense": 90.0, "backward[column]": 20.0, "backward[row]": 8.0, "spmm_t[pointer]": 15.0}
-    times.update({"spmm_t[patches/128]": 6.0, "spmm_t[patches/256]": 5.0})  # /512 wrong: not timed
+    times = {"snack": 30.0, "dense": 90.0, "backward[column]": 20.0, "backward[row]": 8.0}
+    times.update({"spmm_t[pointer]": 15.0, "spmm_t[patches/128]": 6.0, "spmm_t[patches/256]": 5.0})  # /512 wrong
+    times.update({"sddmm[pointer]": 5.0, "sddmm[patches/512]": 4.0})
     kernel_bench._print_prepared_verdicts(spmm_rows, [{"batch": 1, "graph_us": times}])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[1] == "  SpMM       B=8   pointer / patches/256 2.50"  # the widths timed (and right)
-    assert "backward[column] / backward[row] 2.50; spmm_t[pointer] / patches/128 2.50, patches/256 3.00" in lines[2]
-    assert lines[3].strip() == "step with the row walk ≈ 18.0 µs: 5.00× nn.Linear"  # 30 - 20 + 8
-    assert lines[4].strip() == "step with the fastest patches ≈ 20.0 µs: 4.50× nn.Linear"  # 30 - 15 + 5
+    lines = [line.strip() for line in capsys.readouterr().out.strip().splitlines()]
+    assert lines[1] == "SpMM       B=8   pointer / patches/256 2.50"  # the widths timed (and right)
+    assert lines[2] == "training   B=1   backward[column] / backward[row] 2.50"
+    assert lines[3] == "spmm_t[pointer] / patches/128 2.50, patches/256 3.00"
+    assert lines[4] == "sddmm[pointer] / patches/512 1.25"
+    assert lines[5:] == [
+        "step with the row walk ≈ 18.0 µs: 5.00× nn.Linear",  # 30 - 20 + 8
+        "step with the fastest spmm_t patches ≈ 20.0 µs: 4.50× nn.Linear",  # 30 - 15 + 5
+        "step with the fastest sddmm patches ≈ 29.0 µs: 3.10× nn.Linear",  # 30 - 5 + 4
+        "step with both ≈ 19.0 µs: 4.74× nn.Linear",
+    ]
 
 
 def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, tmp_path, capsys):

@@ -54,13 +54,14 @@ The row walk (``spmm_backward(walk="row")``)
     layers run the column walk until it has.
 
 The patch forms (``form="patches"``)
-    Another answer to the same random reads, and to the forward's at larger batch, not measured
-    on a GPU yet (``kernel_bench`` times them against the pointer form). One program per *patch*
-    of ``W`` — a block of ``PATCH_SEGMENTS`` (64) segments (rows of ``W`` for SpMM, columns for
-    the transposed SpMM) × a band of ``PATCH_BAND`` (256) inputs — walks the patch's segments
-    side by side, in segment order as the pointer form does, and adds its partial sums into a
-    float32 output by one atomic add per segment, band and batch row (``B · n_out · bands`` in
-    all: 65 536 at B=1 for 4096²). Its loads stay inside the band, where L1 serves them again:
+    Another answer to the same random reads, and to the gathers of the forward and the SDDMM at
+    larger batch, not measured on a GPU yet (``kernel_bench`` times them against the pointer
+    forms). One program per *patch* of ``W`` — a block of ``PATCH_SEGMENTS`` (64) segments (rows
+    of ``W`` for SpMM and SDDMM, columns for the transposed SpMM) × a band of ``PATCH_BAND`` (256)
+    inputs — walks the patch's segments side by side, in segment order as the pointer form does.
+    The SpMMs add their partial sums into a float32 output by one atomic add per segment, band
+    and batch row (``B · n_out · bands`` in all: 65 536 at B=1 for 4096²). The loads stay inside
+    the band, where L1 serves them again:
 
     * transposed SpMM, small batch: a row's non-zeros inside a block of 64 columns are neighbours
       in ``values`` (6.4 of them at 90%), so the values read through ``csc_perm`` share 32-byte
@@ -68,12 +69,15 @@ The patch forms (``form="patches"``)
       4-byte value);
     * SpMM, batch 8-64: each gathered row of ``Xᵀ`` (``BLOCK_B`` values) serves every row of
       the patch that has a non-zero in that column (about 3 of 64 at 95%), where the pointer form
-      fetches it from L2 once per non-zero (107 MB at B=32, 95%, 4096²).
+      fetches it from L2 once per non-zero (107 MB at B=32, 95%, 4096²);
+    * SDDMM (``sddmm(form="patches")``), larger batch: the same for its gathers of ``Xᵀ``; each
+      ``dvalues`` is written once (no atomics, so it also runs in deterministic mode), and the
+      band-0 programs sum the bias gradient.
 
     A cached ``(bands + 1, n_out)`` pointer array (:func:`_band_pointers`) says where each
     segment's non-zeros of each band start. Batch tiles hold at most ``PATCH_MAX_BLOCK_B`` (32)
-    rows; each tile is a program of its own that walks its patch again. Layers run the pointer
-    form until a GPU has measured these.
+    rows: in the SpMMs each is a program of its own that walks its patch again; the SDDMM's
+    programs loop over them. Layers run the pointer forms until a GPU has measured these.
 
 Layout
     From ``B >= TRANSPOSE_MIN_BATCH`` (4) the pointer form and the SDDMM read the dense operands
@@ -248,6 +252,28 @@ def _band_pointers(
     return derived(f"{name}_{band}", sources, build)
 
 
+def _band_width(band: int | None, n_in: int) -> int:
+    """``band`` (default ``PATCH_BAND``), wider where the bands would outnumber a grid axis."""
+    return max(band or PATCH_BAND, _cdiv(n_in, _MAX_GRID_1))
+
+
+def _row_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
+    """:func:`_band_pointers` of the rows over bands of columns (the patch SpMM and SDDMM)."""
+    n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
+    return _band_pointers(
+        "triton_row_bands", (topo.row, topo.col), topo.row, topo.col, n_rows, n_cols, _band_width(band, n_cols)
+    )
+
+
+def _column_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
+    """:func:`_band_pointers` of the columns (in column order) over bands of rows (the patch
+    transposed SpMM)."""
+    n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
+    sources, columns = (topo.row, topo.col, topo.csc_perm), _cols_in_column_order(topo)
+    rows, band = _rows_in_column_order(topo), _band_width(band, n_rows)
+    return _band_pointers("triton_column_bands", sources, columns, rows, n_cols, n_rows, band)
+
+
 def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
     """What this backend caches per topology (for memory accounting): the rows in column order."""
     return [] if topo.row.is_inference() else [_rows_in_column_order(topo)]
@@ -373,14 +399,12 @@ def _patch_spmm(
     y = torch.zeros(batch, n_out, device=a_storage.device, dtype=torch.float32)
     if batch == 0 or topo.col.numel() == 0:
         return y.to(a_storage.dtype)
-    band = max(band or PATCH_BAND, _cdiv(n_in, _MAX_GRID_1))  # wider bands where a grid axis runs out
     if transposed:  # segments are columns, in column order
         gather, value_index = _rows_in_column_order(topo), topo.csc_perm
-        sources, segment = (topo.row, topo.col, topo.csc_perm), _cols_in_column_order(topo)
-        band_pointers = _band_pointers("triton_column_bands", sources, segment, gather, n_out, n_in, band)
+        band_pointers = _column_band_pointers(topo, band)
     else:
         gather, value_index = topo.col, None
-        band_pointers = _band_pointers("triton_row_bands", (topo.row, topo.col), topo.row, gather, n_out, n_in, band)
+        band_pointers = _row_band_pointers(topo, band)
     block_b = min(_block_b(batch), PATCH_MAX_BLOCK_B)
     grid = (_cdiv(n_out, PATCH_SEGMENTS), band_pointers.shape[0] - 1, min(_cdiv(batch, block_b), _BATCH_GRID_LIMIT))
     tuning.launch(
@@ -394,11 +418,11 @@ def _patch_spmm(
 
 def _sddmm(
     dy_layout: tuple[Tensor, int, int], x_layout: tuple[Tensor, int, int], batch: int, topo: TopologyTensors,
-    bias_grad: bool = False, form: str | None = None,
+    bias_grad: bool = False, form: str | None = None, band: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """``dvalues (nnz,)``, and ``(dvalues, dbias (n_out,))`` when ``bias_grad`` (from the same
     launch), from ``dy`` and ``x`` as :func:`_batch_contiguous` lays them out; ``form`` as
-    :func:`sddmm` takes it."""
+    :func:`sddmm` takes it; ``band``: the patch form's band width (default ``PATCH_BAND``)."""
     nnz, n_out = topo.row.numel(), topo.rowptr.numel() - 1
     if form is not None:
         _check_form(form)
@@ -411,7 +435,16 @@ def _sddmm(
     out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
     dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
     dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused
-    if form == "pointer":
+    if form == "patches":
+        band_pointers = _row_band_pointers(topo, band)
+        block_b = min(block_b, PATCH_MAX_BLOCK_B)
+        tuning.launch(
+            "patch_sddmm", (_cdiv(n_out, PATCH_SEGMENTS), band_pointers.shape[0] - 1),
+            dy_storage, x_storage, band_pointers, topo.col, out, dbias_arg, batch, n_out, *dy_strides, *x_strides,
+            BIAS_GRAD=bias_grad, SINGLE_TILE=batch <= block_b, WHILE_LOOP=tuning.INTERPRETED, BLOCK_S=PATCH_SEGMENTS,
+            BLOCK_B=block_b,
+        )  # fmt: skip
+    elif form == "pointer":
         tuning.launch(
             "pointer_sddmm", (n_out,),
             dy_storage, x_storage, topo.rowptr, topo.col, out, dbias_arg, batch, *dy_strides, *x_strides,
@@ -433,7 +466,8 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors, *, form: str | None = No
 
     Args:
         form: ``"segment"`` (programs along blocks of non-zeros) or ``"pointer"`` (one program per
-            row) to override the rule of the module docstring (benchmarks, tests).
+            row) to override the rule of the module docstring, or ``"patches"`` (*The patch
+            forms*): benchmarks, tests.
     """
     _check_dtype("sddmm", dy, x)
     return _sddmm(_batch_contiguous(dy), _batch_contiguous(x), dy.shape[0], topo, form=form)

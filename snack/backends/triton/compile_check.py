@@ -19,9 +19,10 @@ import traceback
 # (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
 # read values sequentially (forward) or through csc_perm (INDIRECT_VALUES: a transposed SpMM); the
 # pointer kernel adds the bias in its epilogue in a layer's forward; the SDDMM of a training step also
-# sums the bias gradient (BIAS_GRAD), as does the backward's row walk. The patch kernel (prepared for
-# measurement) compiles for the batch tiles where it may win (its BLOCK_B; the others take _BLOCK_B):
-# 1 for the transposed SpMM, 32 for the SpMM; with its loop software-pipelined (NUM_STAGES) or not.
+# sums the bias gradient (BIAS_GRAD), as does the backward's row walk. The patch kernels (prepared for
+# measurement) compile for the batch tiles where they may win (BLOCK_B; the others take _BLOCK_B):
+# 1 for the transposed SpMM, 32 for the SpMM and the SDDMM; with its loop software-pipelined
+# (NUM_STAGES) or not.
 _NO_FLAGS = {"INDIRECT_VALUES": False}
 _VARIANTS = [
     ("segment_spmm", "segment_spmm", _NO_FLAGS),
@@ -40,6 +41,10 @@ _VARIANTS = [
     ("patch_spmm[indirect,stages]", "patch_spmm", {"INDIRECT_VALUES": True, "BLOCK_B": 1, "NUM_STAGES": 3}),
     ("patch_spmm[B=32]", "patch_spmm", {**_NO_FLAGS, "BLOCK_B": 32}),
     ("patch_spmm[B=32,stages]", "patch_spmm", {**_NO_FLAGS, "BLOCK_B": 32, "NUM_STAGES": 3}),
+    ("patch_sddmm[bias,B=32]", "patch_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": True, "BLOCK_B": 32}),
+    ("patch_sddmm[bias,B=32,stages]", "patch_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": True, "BLOCK_B": 32,
+                                                      "NUM_STAGES": 3}),
+    ("patch_sddmm[bias,tiles]", "patch_sddmm", {"BIAS_GRAD": True, "SINGLE_TILE": False, "BLOCK_B": 32}),
 ]
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # Batch tile compiled for the pointer and SDDMM kernels (a mid-size one of backend._block_b).
@@ -82,6 +87,10 @@ def _signature(kernel_name: str, dtype: str, flags: dict[str, bool]) -> tuple[di
         pointers = {"dy_ptr": t, "x_ptr": t, "rowptr_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
         scalars = ["batch", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
         constexprs = {**flags, "WHILE_LOOP": False, "BLOCK_B": _BLOCK_B, **config}
+    elif kernel_name == "patch_sddmm":
+        pointers = {"dy_ptr": t, "x_ptr": t, "band_ptr_ptr": "i32", "col_ptr": "i32", "out_ptr": t, "bias_grad_ptr": t}
+        scalars = ["batch", "n_out", "stride_db", "stride_dr", "stride_xb", "stride_xc"]
+        constexprs = {"WHILE_LOOP": False, "BLOCK_S": PATCH_SEGMENTS, **config, **flags}
     elif kernel_name == "patch_spmm":
         pointers = {"a_ptr": t, "values_ptr": t, "value_index_ptr": "i32", "band_ptr_ptr": "i32",
                     "gather_index_ptr": "i32", "y_ptr": "fp32"}  # fmt: skip

@@ -21,7 +21,9 @@ dense matmuls) one by one, both SDDMM forms (``sddmm[segment]``, ``sddmm[pointer
 :mod:`.backend`, which runs the pointer form unless it would leave SMs idle), the transposed SpMM's
 column walk (``spmm_t[pointer]``) and the step's whole backward as layers run them
 (``backward[column]``), and the variants prepared against them: the backward walking the weight
-by row (``backward[row]``) and the transposed SpMM by patches (``spmm_t[patches/ROWS]``). A
+by row (``backward[row]``), and the transposed SpMM and the SDDMM by patches
+(``spmm_t[patches/BAND]``, ``sddmm[patches/BAND]``), with a verdict table that weighs each
+against what layers run. A
 profile of the eager step at the smallest batch (where host overhead decides) lists where the host
 time goes, and the configs the autotuner picked are recorded. Times are medians of
 ``triton.testing.do_bench`` in microseconds; every snack output is checked against the dense result
@@ -33,6 +35,7 @@ limit.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -53,10 +56,15 @@ _PATCH_SPMM_MIN_BATCH = 8
 _STEP_OPS = ["spmm", "spmm_t", "sddmm", "dense_fwd", "dense_dx", "dense_dw"]
 # Variants prepared for measurement that layers do not run yet: a training step's whole backward
 # (bias gradient included) walking the weight by row (one pass, dX by atomic adds;
-# backend.spmm_backward's walk), and the transposed SpMM by patches of 64 columns × a band of
-# rows (_PATCH_BANDS). Each is checked against the reference first: a wrong
-# one loses its own timings (and says so), not the run's.
-_PREPARED = ["backward[row]", *(f"spmm_t[patches/{band}]" for band in _PATCH_BANDS)]
+# backend.spmm_backward's walk); the transposed SpMM by patches of 64 columns × a band of rows, and
+# the SDDMM (bias gradient included) by patches of 64 rows × a band of columns (_PATCH_BANDS). Each
+# is checked against the reference first: a wrong one loses its own timings (and says so), not the
+# run's.
+_PREPARED = [
+    "backward[row]",
+    *(f"spmm_t[patches/{band}]" for band in _PATCH_BANDS),
+    *(f"sddmm[patches/{band}]" for band in _PATCH_BANDS),
+]
 # the SDDMM's two forms (the backend's rule between them is measured here); the transposed SpMM's
 # column walk and the whole backward as layers run them (spmm_t + SDDMM); then the prepared variants
 _VARIANT_OPS = ["sddmm[segment]", "sddmm[pointer]", "spmm_t[pointer]", "backward[column]", *_PREPARED]
@@ -153,22 +161,34 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
         ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
     ops["spmm_t[pointer]"] = lambda: tb.spmm_t(grad, values, tensors, form="pointer")
     ops["backward[column]"] = lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True)[0]
-    # dX stands for each variant's gradients (a graph pass checks one output)
-    ops.update({name: lambda fn=fn: fn()[0] for name, fn in _prepared_ops(x, grad, values, tensors).items()})
+    # the first gradient stands for each variant's (a graph pass checks one output)
+    prepared = _prepared_ops(x, grad, values, tensors)
+    ops.update({name: lambda fn=fn: next(iter(fn().values())) for name, fn in prepared.items()})
     assert list(ops)[len(_STEP_OPS) :] == _VARIANT_OPS
     return ops
 
 
 def _prepared_ops(x, grad, values, tensors) -> dict:
-    """:data:`_PREPARED` as functions returning their gradients: ``(dX, dvalues, dbias)`` for the
-    row walk, ``(dX,)`` for the transposed SpMM's patch walk."""
+    """:data:`_PREPARED` as functions returning their gradients by name (``dX``, ``dvalues``,
+    ``dbias``)."""
     from snack.backends.triton import backend as tb
 
-    ops = {"backward[row]": lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True, walk="row")}
-    for band in _PATCH_BANDS:
-        ops[f"spmm_t[patches/{band}]"] = lambda band=band: (
-            tb._patch_spmm(tb._batch_contiguous(grad), grad.shape[0], values, tensors, transposed=True, band=band),
-        )
+    def row_walk() -> dict:
+        dx, dvalues, dbias = tb.spmm_backward(grad, x, values, tensors, bias_grad=True, walk="row")
+        return {"dX": dx, "dvalues": dvalues, "dbias": dbias}
+
+    def spmm_t_by_patches(band: int) -> dict:
+        layout = tb._batch_contiguous(grad)
+        return {"dX": tb._patch_spmm(layout, grad.shape[0], values, tensors, transposed=True, band=band)}
+
+    def sddmm_by_patches(band: int) -> dict:
+        layouts = tb._batch_contiguous(grad), tb._batch_contiguous(x)
+        dvalues, dbias = tb._sddmm(*layouts, grad.shape[0], tensors, bias_grad=True, form="patches", band=band)
+        return {"dvalues": dvalues, "dbias": dbias}
+
+    ops = {"backward[row]": row_walk}
+    ops.update({f"spmm_t[patches/{band}]": functools.partial(spmm_t_by_patches, band) for band in _PATCH_BANDS})
+    ops.update({f"sddmm[patches/{band}]": functools.partial(sddmm_by_patches, band) for band in _PATCH_BANDS})
     assert list(ops) == _PREPARED
     return ops
 
@@ -243,7 +263,8 @@ def _check_step(layer, x, grad, dtype) -> dict[str, str]:
         xi = x.detach().clone().requires_grad_()
         with snack.use_backend(backend):
             layer(xi).backward(grad)
-        results[backend] = (xi.grad.float(), layer.values.grad.float())
+        grads = {"dX": xi.grad, "dvalues": layer.values.grad, "dbias": layer.bias.grad}
+        results[backend] = {name: g.float() for name, g in grads.items()}
     layer.zero_grad()
     prepared = _prepared_ops(x.detach(), grad, layer.values.detach(), layer.topology.tensors())
     if x.shape[0] > tb.MAX_BLOCK_B:
@@ -252,12 +273,13 @@ def _check_step(layer, x, grad, dtype) -> dict[str, str]:
     for name, fn in prepared.items():
         outputs, failure = _run_prepared(fn)
         if outputs is not None:
-            results[name] = [g.float() for g in outputs[:2]]
+            results[name] = {gradient: g.float() for gradient, g in outputs.items()}
         failed[name] = failure and f"training step ({name}) at batch {x.shape[0]}: {failure}"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
 
     def mismatch(variant: str) -> str | None:
-        for name, got, expected in zip(("dX", "dvalues"), results[variant], results["reference"]):
+        for name, got in results[variant].items():
+            expected = results["reference"][name]
             error = (got - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
             if error > tol:
                 return f"training step ({variant}) {name} at batch {x.shape[0]}: relative error {error:.2e} > {tol}"
@@ -460,14 +482,13 @@ def print_tables(result: dict) -> None:
             f"{' '.join(_cell(g.get(op), 9) for op in _STEP_OPS)} {ops_speedup:>7}"
         )
     print(
-        "\nThe SDDMM's two forms; the transposed SpMM's column walk and the backward as layers run them;\n"
-        "the prepared variants: the backward's row walk, the transposed SpMM by patches of 64 columns × "
-        f"{'/'.join(map(str, _PATCH_BANDS))} rows\n(backward: bias gradient included), from CUDA graphs (µs):"
+        "\nThe SDDMM's two forms; the transposed SpMM's column walk and the backward as layers run them; then\n"
+        "the prepared variants: the backward's row walk, the transposed SpMM and the SDDMM by patches of 64\n"
+        "segments × a band of BAND inputs (backward and patch SDDMM: bias gradient included), from CUDA graphs (µs):"
     )
-    print(f"{'B':>3} " + " ".join(f"{op:>19}" for op in _VARIANT_OPS))
-    for row in train["rows"]:
-        g = row.get("graph_us", {})
-        print(f"{row['batch']:>3} " + " ".join(_cell(g.get(op), 19) for op in _VARIANT_OPS))
+    print(f"{'':>19} " + " ".join(f"{'B=' + str(row['batch']):>8}" for row in train["rows"]))
+    for op in _VARIANT_OPS:
+        print(f"{op:>19} " + " ".join(_cell(row.get("graph_us", {}).get(op), 8) for row in train["rows"]))
     _print_prepared_verdicts(spmm["rows"], train["rows"])
     print(f"\nHost profile of the eager snack step ({train['host_profile'].splitlines()[0]}):")
     print("\n".join(train["host_profile"].splitlines()[1:]))
@@ -481,8 +502,8 @@ def print_tables(result: dict) -> None:
 def _print_prepared_verdicts(spmm_rows: list[dict], train_rows: list[dict]) -> None:
     """Each prepared variant against what layers run, from the CUDA-graph times: the ratio
     current / prepared (above 1: the prepared variant is faster), and the training step as it
-    would be with the row walk, or the fastest transposed SpMM by patches, in place of what it
-    replaces (an estimate: the step's time plus the difference of the two kernels' times)."""
+    would be with the row walk, or the fastest patches, in place of what they replace (an
+    estimate: the step's time plus the difference of the kernels' times)."""
     print("\nPrepared variants against what layers run, from CUDA graphs: current µs / prepared µs (> 1: faster)")
     for row in spmm_rows:
         g = row.get("graph_us", {})
@@ -491,20 +512,25 @@ def _print_prepared_verdicts(spmm_rows: list[dict], train_rows: list[dict]) -> N
             print(f"  SpMM       B={row['batch']:<3} pointer / " + ", ".join(cells))
     for row in train_rows:
         g = row.get("graph_us", {})
-        patches = {v: g[v] for v in _PREPARED[1:] if g.get(v) is not None}
-        cells = ", ".join(f"{v[len('spmm_t[') : -1]} {_ratio(g.get('spmm_t[pointer]'), t)}" for v, t in patches.items())
         print(
             f"  training   B={row['batch']:<3} backward[column] / backward[row] "
-            f"{_ratio(g.get('backward[column]'), g.get('backward[row]'))}; spmm_t[pointer] / {cells or '-'}"
+            f"{_ratio(g.get('backward[column]'), g.get('backward[row]'))}"
         )
-        replacements = {
-            "the row walk": ("backward[column]", g.get("backward[row]")),
-            "the fastest patches": ("spmm_t[pointer]", min(patches.values(), default=None)),
-        }
-        for name, (replaced, prepared) in replacements.items():
-            current, step, linear = g.get(replaced), g.get("snack"), g.get("dense")
-            if None not in (prepared, current, step, linear):
-                estimate = step - current + prepared
+        fastest = {}  # op -> (what layers run, its time, the fastest patches' time)
+        for op, current in (("spmm_t", "spmm_t[pointer]"), ("sddmm", "sddmm[pointer]")):
+            patches = {v: g[v] for v in _PREPARED if v.startswith(f"{op}[patches/") and g.get(v) is not None}
+            cells = ", ".join(f"{v[len(op) + 1 : -1]} {_ratio(g.get(current), t)}" for v, t in patches.items())
+            print(f"{'':18}{current} / {cells or '-'}")
+            if patches and g.get(current) is not None:
+                fastest[op] = g[current], min(patches.values())
+        estimates = {"the row walk": [(g.get("backward[column]"), g.get("backward[row]"))]}
+        estimates.update({f"the fastest {op} patches": [pair] for op, pair in fastest.items()})
+        if len(fastest) == 2:
+            estimates["both"] = list(fastest.values())
+        step, linear = g.get("snack"), g.get("dense")
+        for name, swaps in estimates.items():
+            if step is not None and linear is not None and None not in (t for pair in swaps for t in pair):
+                estimate = step + sum(prepared - current for current, prepared in swaps)
                 print(f"{'':18}step with {name} ≈ {estimate:.1f} µs: {linear / estimate:.2f}× nn.Linear")
 
 

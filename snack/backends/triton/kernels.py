@@ -28,6 +28,8 @@ Every kernel multiplies and accumulates in float32 whatever the storage dtype (f
 * :func:`patch_spmm_kernel` — either SpMM by *patches* of ``W`` (a block of segments × a band of
   inputs): a patch's loads stay inside its band, where L1 serves them again; one atomic add per
   segment, band and batch row (the backend's ``form="patches"``).
+* :func:`patch_sddmm_kernel` — the SDDMM by the same patches (rows × a band of columns), each
+  output written once.
 
 Dense operands are addressed through explicit strides so the host can hand over either the
 batch-major ``(B, n)`` layout or its transpose ``(n, B)`` (batch-contiguous: the ``BLOCK_B``
@@ -44,8 +46,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "KERNELS", "patch_spmm_kernel", "pointer_sddmm_kernel", "pointer_spmm_kernel", "rowwise_backward_kernel",
-    "segment_sddmm_kernel", "segment_spmm_kernel",
+    "KERNELS", "patch_sddmm_kernel", "patch_spmm_kernel", "pointer_sddmm_kernel", "pointer_spmm_kernel",
+    "rowwise_backward_kernel", "segment_sddmm_kernel", "segment_spmm_kernel",
 ]  # fmt: skip
 
 
@@ -496,6 +498,98 @@ def patch_spmm_kernel(
         tile += tl.num_programs(2)
 
 
+@triton.jit
+def _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
+                       stride_xc, SINGLE_TILE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    # out[p] = Σ_b dy[b, r_s] · x[b, col_p] at the positions p = start[s] + k0 + j < end[s] of each
+    # row r_s of the patch (dy_rows: their dy addresses, (BLOCK_S, 1); dy_tile: their dy values
+    # over the first batch tile, (BLOCK_S, BLOCK_B)).
+    pos = start[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
+    mask = pos < end[:, None]
+    x_col = (tl.load(col_ptr + pos, mask=mask, other=0).to(tl.int64) * stride_xc)[:, :, None]
+    if SINGLE_TILE:
+        b64 = tl.arange(0, BLOCK_B).to(tl.int64)
+        x_mask = mask[:, :, None] & (b64 < batch)[None, None, :]
+        x = tl.load(x_ptr + b64[None, None, :] * stride_xb + x_col, mask=x_mask, other=0.0).to(tl.float32)
+        out = tl.sum(dy_tile[:, None, :] * x, axis=2)
+    else:
+        out = tl.zeros((BLOCK_S, BLOCK_K), dtype=tl.float32)
+        b0 = 0
+        while b0 < batch:
+            b64 = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
+            mask_b = b64 < batch
+            dy = tl.load(dy_rows + b64[None, :] * stride_db, mask=mask_b[None, :], other=0.0).to(tl.float32)
+            x_mask = mask[:, :, None] & mask_b[None, None, :]
+            x = tl.load(x_ptr + b64[None, None, :] * stride_xb + x_col, mask=x_mask, other=0.0).to(tl.float32)
+            out += tl.sum(dy[:, None, :] * x, axis=2)
+            b0 += BLOCK_B
+    tl.store(out_ptr + pos, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["batch", "n_out"])
+def patch_sddmm_kernel(
+    dy_ptr,  # (B, n_out) read at [b, row] through (stride_db, stride_dr)
+    x_ptr,  # (B, n_in) read at [b, col] through (stride_xb, stride_xc)
+    band_ptr_ptr,  # (bands + 1, n_out) int32: row r's non-zeros in column band t are [band_ptr[t, r], band_ptr[t+1, r])
+    col_ptr,  # (nnz,) int32
+    out_ptr,  # (nnz,) output in the input dtype
+    bias_grad_ptr,  # (n_out,) output in the input dtype; unused unless BIAS_GRAD
+    batch,
+    n_out,
+    stride_db,
+    stride_dr,
+    stride_xb,
+    stride_xc,
+    BIAS_GRAD: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for the non-zeros of one patch — the
+    ``BLOCK_S`` rows of block ``program_id(0)`` × the columns of band ``program_id(1)`` — and,
+    with ``BIAS_GRAD``, ``bias_grad[r] = Σ_b dy[b, r]`` for those rows from the band-0 programs.
+
+    The SDDMM's form of :func:`patch_spmm_kernel`: the rows' non-zeros inside the band are walked
+    side by side, so the band's ``x[:, band]`` gathered for one row is there in L1 for the next.
+    Each output is written once (no atomics). With ``SINGLE_TILE`` (``batch <= BLOCK_B``) the
+    rows' ``dy`` is loaded once, before the loop; otherwise each step loops over the batch
+    tiles. ``NUM_STAGES`` and ``WHILE_LOOP`` as for :func:`patch_spmm_kernel`."""
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n_out
+    band_start = band_ptr_ptr + tl.program_id(1).to(tl.int64) * n_out
+    start = tl.load(band_start + offs_s, mask=mask_s, other=0)
+    end = tl.load(band_start + n_out + offs_s, mask=mask_s, other=0)
+    length = tl.max(end - start, axis=0)
+    dy_rows = dy_ptr + (offs_s.to(tl.int64) * stride_dr)[:, None]
+    offs_b = tl.arange(0, BLOCK_B)
+    tile_mask = mask_s[:, None] & (offs_b < batch)[None, :]
+    dy_tile = tl.load(dy_rows + offs_b.to(tl.int64)[None, :] * stride_db, mask=tile_mask, other=0.0).to(tl.float32)
+    if WHILE_LOOP:
+        k0 = 0
+        while k0 < length:
+            _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
+                               stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(0, length, BLOCK_K, num_stages=NUM_STAGES):
+            _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
+                               stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
+    if BIAS_GRAD:
+        if tl.program_id(1) == 0:
+            dy_sum = dy_tile
+            b0 = BLOCK_B
+            while b0 < batch:  # the tiles after the first, if any
+                b64 = (b0 + offs_b).to(tl.int64)
+                mask = mask_s[:, None] & (b64 < batch)[None, :]
+                dy_sum += tl.load(dy_rows + b64[None, :] * stride_db, mask=mask, other=0.0).to(tl.float32)
+                b0 += BLOCK_B
+            tl.store(bias_grad_ptr + offs_s, tl.sum(dy_sum, axis=1).to(bias_grad_ptr.dtype.element_ty), mask=mask_s)
+
+
 # name -> kernel, for tools that walk every kernel (compile-check).
 KERNELS = {
     "segment_spmm": segment_spmm_kernel,
@@ -504,4 +598,5 @@ KERNELS = {
     "pointer_sddmm": pointer_sddmm_kernel,
     "rowwise_backward": rowwise_backward_kernel,
     "patch_spmm": patch_spmm_kernel,
+    "patch_sddmm": patch_sddmm_kernel,
 }

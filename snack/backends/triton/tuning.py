@@ -61,7 +61,9 @@ FIXED_CONFIGS: dict[str, dict[str, int]] = {
     "segment_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "pointer_sddmm": {"BLOCK_K": 64, "num_warps": 4},
     "rowwise_backward": {"BLOCK_K": 64, "num_warps": 4},
-    "patch_spmm": {"BLOCK_K": 1, "NUM_STAGES": 1, "num_warps": 4},  # its 64 × 1 × 32 tile at batch 32: no spills
+    # their 64 × 1 × 32 tiles at batch 32: no spills
+    "patch_spmm": {"BLOCK_K": 1, "NUM_STAGES": 1, "num_warps": 4},
+    "patch_sddmm": {"BLOCK_K": 1, "NUM_STAGES": 1, "num_warps": 4},
 }
 
 
@@ -111,6 +113,7 @@ _AUTOTUNE_KEYS = {
     "pointer_sddmm": ("BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
     "rowwise_backward": ("BLOCK_B", "BIAS_GRAD"),
     "patch_spmm": ("BLOCK_S", "BLOCK_B", "INDIRECT_VALUES"),
+    "patch_sddmm": ("BLOCK_S", "BLOCK_B", "BIAS_GRAD", "SINGLE_TILE"),
 }
 # kernel name -> positions of its autotune key's non-constexpr arguments (none under the
 # interpreter, which does not autotune)
@@ -139,6 +142,9 @@ TUNED = {
     "patch_spmm": _autotuned(
         kernels.patch_spmm_kernel, PATCH_CONFIGS, list(_AUTOTUNE_KEYS["patch_spmm"]), prune_configs_by=_PRUNED,
         reset_to_zero=["y_ptr"],
+    ),
+    "patch_sddmm": _autotuned(
+        kernels.patch_sddmm_kernel, PATCH_CONFIGS, list(_AUTOTUNE_KEYS["patch_sddmm"]), prune_configs_by=_PRUNED
     ),
 }
 # (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
