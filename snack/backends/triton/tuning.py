@@ -7,7 +7,7 @@ Configs
     with a pipelined loop or not) × ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's
     flags), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep every lane
     busy without spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile
-    (patches: 4 to 30). The first H200 run's
+    (patches: 4 to 25). The first H200 run's
     configs gave a 128-thread program a 32- or 64-wide tile at batch 1, leaving half its lanes
     idle. A sweep on the H200 (95%, 4096²) found the fastest pointer tiles well inside this
     space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8 and 4-16 at batch 16-64 (B=16:
@@ -80,10 +80,11 @@ _SEGMENT_CONFIGS = [
 ]
 TILE_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w) for k in (4, 8, 16, 32, 64, 128, 256) for w in (1, 2, 4, 8)]
 # A patch's tile is already BLOCK_S × BLOCK_B wide: down to one non-zero per segment and step; its
-# loop software-pipelined or not (NUM_STAGES: kernels.patch_spmm_kernel).
+# loop software-pipelined or not (NUM_STAGES: kernels.patch_spmm_kernel), the pipelined ones up to
+# BLOCK_K 8: with 16 and 32, the transposed SpMM's (two loads deep) spilled registers (ptxas, sm_90).
 PATCH_CONFIGS = [
     triton.Config({"BLOCK_K": k, "NUM_STAGES": s}, num_warps=w)
-    for k in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8) for s in (1, 3)
+    for k in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8) for s in ((1, 3) if k <= 8 else (1,))
 ]  # fmt: skip
 # Tile elements (BLOCK_B × BLOCK_K) per thread worth trying: fewer idle lanes, more spill registers.
 TILE_ELEMENTS_PER_THREAD = (2, 16)
