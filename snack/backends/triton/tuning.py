@@ -3,17 +3,16 @@
 Configs
     On a GPU, ``triton.autotune`` picks among a few configs, so a first call per key costs
     seconds, not minutes: segment ``BLOCK_NNZ`` ∈ {128, 256, 512} × ``ROWS_PER_PROGRAM`` ∈ {1, 4}
-    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} (patches: {1, …, 32}, each
-    with a pipelined loop or not) × ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's
-    flags), pruned to tiles of at most 2048 elements with 2–16 per thread, which keep every lane
-    busy without spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile
-    (patches: 4 to 25). The first H200 run's
-    configs gave a 128-thread program a 32- or 64-wide tile at batch 1, leaving half its lanes
-    idle. A sweep on the H200 (95%, 4096²) found the fastest pointer tiles well inside this
-    space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8 and 4-16 at batch 16-64 (B=16:
-    11.2 µs against 16.3 µs for the best of the earlier space). Under the interpreter (``TRITON_INTERPRET=1``), or with
-    ``SNACK_TRITON_AUTOTUNE=0``, the fixed :data:`FIXED_CONFIGS` run instead
-    (``@triton.autotune`` cannot run in the interpreter).
+    (key: batch); pointer and SDDMM tiles ``BLOCK_K`` ∈ {4, …, 256} (patches: {1, …, 32}, some
+    with a pipelined loop) × ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's flags),
+    pruned to tiles of at most 2048 elements with 2–16 per thread, which keep every lane busy
+    without spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile
+    (patches: 4 to 25). The first H200 run's configs gave a 128-thread program a 32- or 64-wide
+    tile at batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²) found the
+    fastest pointer tiles well inside this space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8
+    and 4-16 at batch 16-64 (B=16: 11.2 µs against 16.3 µs for the best of the earlier space).
+    Under the interpreter (``TRITON_INTERPRET=1``), or with ``SNACK_TRITON_AUTOTUNE=0``, the
+    fixed :data:`FIXED_CONFIGS` run instead (``@triton.autotune`` cannot run in the interpreter).
 
 Launches (:func:`launch`)
     A launch through ``kernel[grid](...)`` costs host time that an eager layer at small batch
