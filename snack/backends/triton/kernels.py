@@ -499,12 +499,21 @@ def patch_spmm_kernel(
 
 
 @triton.jit
-def _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
-                       stride_xc, SINGLE_TILE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
+def _patch_dy_tile(dy_rows, mask_s, b0, batch, stride_db, BLOCK_B: tl.constexpr):
+    # dy[b, r_s] as float32 (BLOCK_S, BLOCK_B) for the batch tile from b0 and the patch's rows
+    # (dy_rows: their addresses, (BLOCK_S, 1); mask_s: which exist), and its batch indices.
+    b64 = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
+    mask = mask_s[:, None] & (b64 < batch)[None, :]
+    return tl.load(dy_rows + b64[None, :] * stride_db, mask=mask, other=0.0).to(tl.float32), b64
+
+
+@triton.jit
+def _patch_sddmm_chunk(k0, start, end, dy_rows, mask_s, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db,
+                       stride_xb, stride_xc, SINGLE_TILE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
                        BLOCK_K: tl.constexpr):  # fmt: skip
     # out[p] = Σ_b dy[b, r_s] · x[b, col_p] at the positions p = start[s] + k0 + j < end[s] of each
-    # row r_s of the patch (dy_rows: their dy addresses, (BLOCK_S, 1); dy_tile: their dy values
-    # over the first batch tile, (BLOCK_S, BLOCK_B)).
+    # row r_s of the patch (dy_rows, mask_s as for _patch_dy_tile; dy_tile: the rows' dy over the
+    # first batch tile).
     pos = start[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
     mask = pos < end[:, None]
     x_col = (tl.load(col_ptr + pos, mask=mask, other=0).to(tl.int64) * stride_xc)[:, :, None]
@@ -517,10 +526,8 @@ def _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr
         out = tl.zeros((BLOCK_S, BLOCK_K), dtype=tl.float32)
         b0 = 0
         while b0 < batch:
-            b64 = (b0 + tl.arange(0, BLOCK_B)).to(tl.int64)
-            mask_b = b64 < batch
-            dy = tl.load(dy_rows + b64[None, :] * stride_db, mask=mask_b[None, :], other=0.0).to(tl.float32)
-            x_mask = mask[:, :, None] & mask_b[None, None, :]
+            dy, b64 = _patch_dy_tile(dy_rows, mask_s, b0, batch, stride_db, BLOCK_B)
+            x_mask = mask[:, :, None] & (b64 < batch)[None, None, :]
             x = tl.load(x_ptr + b64[None, None, :] * stride_xb + x_col, mask=x_mask, other=0.0).to(tl.float32)
             out += tl.sum(dy[:, None, :] * x, axis=2)
             b0 += BLOCK_B
@@ -565,27 +572,23 @@ def patch_sddmm_kernel(
     end = tl.load(band_start + n_out + offs_s, mask=mask_s, other=0)
     length = tl.max(end - start, axis=0)
     dy_rows = dy_ptr + (offs_s.to(tl.int64) * stride_dr)[:, None]
-    offs_b = tl.arange(0, BLOCK_B)
-    tile_mask = mask_s[:, None] & (offs_b < batch)[None, :]
-    dy_tile = tl.load(dy_rows + offs_b.to(tl.int64)[None, :] * stride_db, mask=tile_mask, other=0.0).to(tl.float32)
+    dy_tile, _ = _patch_dy_tile(dy_rows, mask_s, 0, batch, stride_db, BLOCK_B)
     if WHILE_LOOP:
         k0 = 0
         while k0 < length:
-            _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
-                               stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
+            _patch_sddmm_chunk(k0, start, end, dy_rows, mask_s, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db,
+                               stride_xb, stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in tl.range(0, length, BLOCK_K, num_stages=NUM_STAGES):
-            _patch_sddmm_chunk(k0, start, end, dy_rows, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db, stride_xb,
-                               stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
+            _patch_sddmm_chunk(k0, start, end, dy_rows, mask_s, dy_tile, x_ptr, col_ptr, out_ptr, batch, stride_db,
+                               stride_xb, stride_xc, SINGLE_TILE, BLOCK_S, BLOCK_B, BLOCK_K)  # fmt: skip
     if BIAS_GRAD:
         if tl.program_id(1) == 0:
             dy_sum = dy_tile
             b0 = BLOCK_B
             while b0 < batch:  # the tiles after the first, if any
-                b64 = (b0 + offs_b).to(tl.int64)
-                mask = mask_s[:, None] & (b64 < batch)[None, :]
-                dy_sum += tl.load(dy_rows + b64[None, :] * stride_db, mask=mask, other=0.0).to(tl.float32)
+                dy_sum += _patch_dy_tile(dy_rows, mask_s, b0, batch, stride_db, BLOCK_B)[0]
                 b0 += BLOCK_B
             tl.store(bias_grad_ptr + offs_s, tl.sum(dy_sum, axis=1).to(bias_grad_ptr.dtype.element_ty), mask=mask_s)
 
