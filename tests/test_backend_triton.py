@@ -23,6 +23,8 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import snack  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from snack import backends  # noqa: E402
 from snack.backends import reference  # noqa: E402
 from snack.backends import triton as triton_package  # noqa: E402
@@ -74,6 +76,19 @@ def _topology(case: str) -> Topology:
 CASES = [("5x7", 1), ("33x17", 3), ("64x40", 17), ("long_and_empty", 2), ("nnz0", 3), ("33x17", 0)]
 
 
+@pytest.fixture(autouse=True)
+def bounds_checked():
+    """On the interpreter, every kernel access must stay inside its tensor arguments (see
+    ``interpreter_bounds``); on a GPU, run the tests under compute-sanitizer for the same."""
+    if DEVICE != "cpu":
+        yield
+        return
+    from interpreter_bounds import checked_accesses
+
+    with checked_accesses():
+        yield
+
+
 @pytest.fixture(params=["fixed", "small"])
 def blocks(request, monkeypatch):
     """``fixed``: the shipped configs. ``small``: tiny blocks and batch tiles, so small shapes span
@@ -104,14 +119,69 @@ def launches(monkeypatch) -> list[str]:
     return names
 
 
+# NaN elements on each side of every dense input. On a GPU, an out-of-bounds read that reaches a
+# result (0 × NaN is NaN too) then fails the comparison rather than read whatever lies next to
+# the tensor. (The interpreter's bounds check is stricter: it fails any stray access.) 64 keeps
+# 16-byte alignment.
+FENCE = 64
+
+
+def _fenced(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s copy, contiguous, inside a buffer with ``FENCE`` NaNs before and after it."""
+    buffer = torch.full((tensor.numel() + 2 * FENCE,), float("nan"), dtype=tensor.dtype, device=tensor.device)
+    inside = buffer[FENCE : FENCE + tensor.numel()].view(tensor.shape)
+    inside.copy_(tensor)
+    return inside
+
+
 def _inputs(case: str, batch: int, dtype=torch.float32):
+    """The case's topology tensors and NaN-fenced ``x (batch, in)``, ``dy (batch, out)`` and
+    ``values (nnz,)``."""
     topo = _topology(case).to(DEVICE)
     out_features, in_features = topo.shape
     generator = torch.Generator().manual_seed(batch)
     x = torch.randn(batch, in_features, generator=generator)
     dy = torch.randn(batch, out_features, generator=generator)
     values = torch.randn(topo.nnz, generator=generator)
-    return topo.tensors(), *(t.to(DEVICE, dtype) for t in (x, dy, values))
+    return topo.tensors(), *(_fenced(t.to(DEVICE, dtype)) for t in (x, dy, values))
+
+
+@triton.jit
+def _shifted_copy_kernel(src_ptr, dst_ptr, n, SHIFT: tl.constexpr, WRITE: tl.constexpr, BLOCK: tl.constexpr):
+    # dst[i] = src[i + SHIFT] for i < n, or dst[i + SHIFT] = src[i] when WRITE is "shifted store"
+    # or "shifted atomic": one access per lane, SHIFT elements off.
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    read_shift = 0 if WRITE != "plain" else SHIFT
+    value = tl.load(src_ptr + offs + read_shift, mask=mask)
+    if WRITE == "shifted atomic":
+        tl.atomic_add(dst_ptr + offs + SHIFT, value, mask=mask)
+    else:
+        tl.store(dst_ptr + offs + (SHIFT - read_shift), value, mask=mask)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's bounds checker")
+@pytest.mark.parametrize(
+    ("shift", "write", "error"),
+    [
+        (0, "plain", None),
+        (1, "plain", "load of 4 bytes at byte 20 of 'src_ptr', which has 20 bytes [(]1 stray lanes"),
+        (-1, "plain", "load of 4 bytes at 4 bytes before 'src_ptr'"),
+        (2, "shifted store", "store of 4 bytes at byte 20 of 'dst_ptr', which has 20 bytes [(]2 stray lanes"),
+        (1, "shifted atomic", "atomic of 4 bytes at byte 20 of 'dst_ptr'"),
+    ],
+)
+def test_the_interpreter_fails_a_kernel_that_strays_outside_its_tensors(shift, write, error):
+    """The bounds check the other tests run under: masked-off lanes may point anywhere; a live
+    lane outside its tensor fails, even inside the same buffer (the NaN fences here)."""
+    src, dst = _fenced(torch.arange(5.0)), _fenced(torch.zeros(5))
+    launch = lambda: _shifted_copy_kernel[(1,)](src, dst, 5, SHIFT=shift, WRITE=write, BLOCK=8)  # noqa: E731
+    if error is None:
+        launch()
+        assert torch.equal(dst, src)
+        return
+    with pytest.raises(pytest.fail.Exception, match=f"_shifted_copy_kernel: {error}"):
+        launch()
 
 
 @pytest.mark.parametrize("form", tb.FORMS)
@@ -632,8 +702,6 @@ def test_compiled_launch_compiles_once_per_specialization_then_calls_the_launche
 
 
 def test_launch_hooks_are_seen_in_any_form(monkeypatch):
-    import triton
-
     runtime = triton.knobs.runtime
     assert not tuning._launch_hooks_set()  # Triton 3.6: empty hook chains
     monkeypatch.setattr(runtime, "launch_enter_hook", lambda *args: None)
