@@ -378,3 +378,22 @@ def test_failed_build_raises_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cpu.BuildError, match="building snack's native CPU kernels failed"):
         cpu.build()
+
+
+def test_sanitized_builds_are_cached_apart_and_need_the_runtime_preloaded(monkeypatch):
+    monkeypatch.delenv("SNACK_CPU_SANITIZE", raising=False)
+    plain_name, plain_flags, plain_ldflags, _ = cpu._build_spec()
+    assert "-fsanitize=address" not in plain_flags + plain_ldflags
+
+    monkeypatch.setenv("SNACK_CPU_SANITIZE", "address")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so")
+    with pytest.raises(cpu.BuildError, match="SNACK_CPU_SANITIZE=address needs the ASan runtime preloaded"):
+        cpu._build_spec()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/gcc/x86_64-linux-gnu/12/libasan.so")
+    name, flags, ldflags, build_dir = cpu._build_spec()
+    assert "_address_" in name and name != plain_name and build_dir.name == name
+    assert flags[: len(plain_flags)] == plain_flags and "-fsanitize=address" in flags and "-fsanitize=address" in ldflags
+
+    monkeypatch.setenv("SNACK_CPU_SANITIZE", "thread")
+    with pytest.raises(cpu.BuildError, match=r"SNACK_CPU_SANITIZE must be one of \['address'\] or unset, got 'thread'"):
+        cpu._build_spec()

@@ -6,6 +6,11 @@ under ``$SNACK_CACHE_DIR`` (default ``~/.cache/snack``). The cache key covers th
 compiler flags, the torch version and the instruction set, so an edit or a torch upgrade
 rebuilds, and a cache shared between machines never runs code built for a wider instruction set.
 
+Memory checking: with ``SNACK_CPU_SANITIZE=address`` the kernels are built with AddressSanitizer
+(a separate cache entry) and every out-of-bounds or use-after-free access aborts with a report.
+The ASan runtime must then be preloaded into Python; ``./dev sanitize`` sets that up and runs
+the CPU tests so.
+
 Instruction set: the kernels are compiled for the vector extension PyTorch itself uses on this
 machine (``torch.backends.cpu.get_cpu_capability()``: AVX-512, AVX2, or none), never with
 ``-march=native``. ``ATEN_CPU_CAPABILITY=avx2`` lowers both.
@@ -38,6 +43,13 @@ _ISA_FLAGS = {
 }
 
 
+# SNACK_CPU_SANITIZE value -> (extra compiler flags, extra linker flags). -g gives reports lines;
+# -O1 (after -O3, so it wins) compiles an instrumented build in about 1 minute rather than 5.
+_SANITIZER_FLAGS = {
+    "address": (["-O1", "-fsanitize=address", "-fno-omit-frame-pointer", "-g"], ["-fsanitize=address"]),
+}
+
+
 class BuildError(RuntimeError):
     """The native CPU kernels could not be compiled or loaded."""
 
@@ -46,15 +58,33 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SNACK_CACHE_DIR") or Path.home() / ".cache" / "snack")
 
 
-def _build_spec() -> tuple[str, list[str], Path]:
-    """``(library name, compiler flags, build directory)`` for this machine and source."""
+def _sanitizer() -> str | None:
+    """The sanitizer ``SNACK_CPU_SANITIZE`` asks for (``None`` when unset or empty)."""
+    sanitizer = os.environ.get("SNACK_CPU_SANITIZE") or None
+    if sanitizer is not None and sanitizer not in _SANITIZER_FLAGS:
+        raise BuildError(f"SNACK_CPU_SANITIZE must be one of {sorted(_SANITIZER_FLAGS)} or unset, got {sanitizer!r}")
+    if sanitizer == "address" and "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        # without it, loading the library aborts the interpreter rather than raise
+        raise BuildError(
+            "SNACK_CPU_SANITIZE=address needs the ASan runtime preloaded into Python "
+            "(LD_PRELOAD=\"$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)\"); "
+            "`./dev sanitize` sets it up"
+        )
+    return sanitizer
+
+
+def _build_spec() -> tuple[str, list[str], list[str], Path]:
+    """``(library name, compiler flags, linker flags, build directory)`` for this machine, source
+    and sanitizer."""
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = _COMMON_FLAGS + _ISA_FLAGS.get(capability, [])
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()):
-        key.update(part)
-    name = f"snack_cpu_{capability.lower()}_{key.hexdigest()[:12]}"
-    return name, flags, _cache_dir() / name
+    sanitizer = _sanitizer()
+    extra_flags, extra_ldflags = _SANITIZER_FLAGS[sanitizer] if sanitizer else ([], [])
+    flags = _COMMON_FLAGS + _ISA_FLAGS.get(capability, []) + extra_flags
+    ldflags = ["-fopenmp"] + extra_ldflags
+    parts = (_SOURCE.read_bytes(), " ".join(flags + ldflags).encode(), torch.__version__.encode(), sys.version.encode())
+    key = hashlib.sha256(b"".join(parts))
+    name = f"snack_cpu_{capability.lower()}{'_' + sanitizer if sanitizer else ''}_{key.hexdigest()[:12]}"
+    return name, flags, ldflags, _cache_dir() / name
 
 
 def build(*, verbose: bool | None = None) -> Path:
@@ -68,7 +98,7 @@ def build(*, verbose: bool | None = None) -> Path:
     """
     if verbose is None:
         verbose = bool(os.environ.get("SNACK_BUILD_VERBOSE"))
-    name, flags, build_dir = _build_spec()
+    name, flags, ldflags, build_dir = _build_spec()
     library = build_dir / f"{name}.so"
     if library.exists():
         torch.ops.load_library(str(library))
@@ -82,7 +112,7 @@ def build(*, verbose: bool | None = None) -> Path:
             name=name,
             sources=[str(_SOURCE)],
             extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=ldflags,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
