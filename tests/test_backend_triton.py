@@ -615,6 +615,51 @@ def test_patch_configs_are_pruned_by_the_whole_tile(block_b):
     assert all(rows * c.kwargs["BLOCK_K"] <= tuning.MAX_TILE_ELEMENTS for c in kept)
 
 
+def _every_config_kwargs() -> list[tuple[str, dict]]:
+    """``(kernel name, config kwargs)`` for each distinct config a GPU's autotuner may pick (the
+    interpreter runs no warps, so configs differing only in ``num_warps`` are one)."""
+    pairs = []
+    for name, configs in tuning.CONFIGS.items():
+        for kwargs in {tuple(sorted(c.kwargs.items())): c.kwargs for c in configs}.values():
+            pairs.append((name, kwargs))
+    return pairs
+
+
+def _calls_launching(name: str, topo, x, dy, values, bias) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(got, expected)`` pairs from the backend calls that launch kernel ``name``."""
+    spmm = (reference.spmm(x, values, topo) + bias, reference.spmm_t(dy, values, topo))
+    sddmm = reference.sddmm(dy, x, topo)
+    form = {"segment_spmm": "segment", "pointer_spmm": "pointer", "patch_spmm": "patches"}.get(name)
+    if form is not None:
+        return list(zip((tb.spmm(x, values, topo, bias, form=form), tb.spmm_t(dy, values, topo, form=form)), spmm))
+    if name == "rowwise_backward":
+        got = tb.spmm_backward(dy, x, values, topo, bias_grad=True, walk="row")
+        return list(zip(got, (spmm[1], sddmm, dy.sum(0))))
+    form = {"segment_sddmm": "segment", "pointer_sddmm": "pointer", "patch_sddmm": "patches"}[name]
+    return [(tb.sddmm(dy, x, topo, form=form), sddmm)]
+
+
+# On a GPU each config would compile (about a minute for all, which gpu_check.sh's 5 minutes
+# cannot spare); there kernel_bench checks the configs the autotuner picks against dense math.
+@pytest.mark.skipif(DEVICE != "cpu", reason="interpreter only: on a GPU every config compiles (about a minute)")
+@pytest.mark.parametrize(("case", "batch"), [("long_and_empty", 3), ("64x40", 17)])
+@pytest.mark.parametrize(
+    ("name", "config"), _every_config_kwargs(),
+    ids=lambda v: ",".join(f"{k}={n}" for k, n in v.items()) if isinstance(v, dict) else v,
+)  # fmt: skip
+def test_every_config_the_autotuner_may_pick_computes_the_same(name, config, case, batch, monkeypatch, launches):
+    """The tests above run the fixed configs; on a GPU the autotuner picks among all of these.
+    (The interpreter takes the kernels' while loops, so ``NUM_STAGES`` changes nothing here;
+    compile-check builds the pipelined loops.)"""
+    monkeypatch.setitem(tuning.FIXED_CONFIGS, name, {**config, "num_warps": 4})
+    topo, x, dy, values = _inputs(case, batch)
+    bias = torch.randn(topo.rowptr.numel() - 1, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    pairs = _calls_launching(name, topo, x, dy, values, bias)
+    assert name in launches
+    for got, expected in pairs:
+        torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("compiled_launch", [False, True])
 def test_launch_autotunes_once_per_key_then_calls_the_kernel_directly(monkeypatch, compiled_launch):
     """On a GPU, only a key's first launch goes through the autotuner (its per-call key building

@@ -42,7 +42,7 @@ import triton
 from snack.backends.triton import kernels
 
 __all__ = [
-    "AUTOTUNE", "COMPILED_LAUNCH", "FIXED_CONFIGS", "INTERPRETED", "PATCH_CONFIGS", "PICKED", "TILE_CONFIGS", "TUNED",
+    "AUTOTUNE", "COMPILED_LAUNCH", "CONFIGS", "FIXED_CONFIGS", "INTERPRETED", "PATCH_CONFIGS", "PICKED", "TILE_CONFIGS", "TUNED",
     "launch", "tile_configs_for",
 ]  # fmt: skip
 
@@ -123,30 +123,24 @@ _KEY_ARG_POSITIONS = {
     )
     for name, keys in _AUTOTUNE_KEYS.items()
 }
-_PRUNED = {"early_config_prune": tile_configs_for}
+# kernel name -> the configs its autotuner may time (the tile kernels' pruned per call)
+CONFIGS = {
+    "segment_spmm": _SEGMENT_CONFIGS,
+    **dict.fromkeys(("pointer_spmm", "segment_sddmm", "pointer_sddmm", "rowwise_backward"), TILE_CONFIGS),
+    **dict.fromkeys(("patch_spmm", "patch_sddmm"), PATCH_CONFIGS),
+}
+# kernel name -> the output its kernel accumulates into (atomic adds): every trial must start from zeros
+_ACCUMULATED = {"segment_spmm": "y_ptr", "rowwise_backward": "dx_ptr", "patch_spmm": "y_ptr"}
 # kernel name -> its autotuner, or None when not autotuning
 TUNED = {
-    # The segment kernel accumulates into its output: every trial must start from zeros.
-    "segment_spmm": _autotuned(
-        kernels.segment_spmm_kernel, _SEGMENT_CONFIGS, list(_AUTOTUNE_KEYS["segment_spmm"]), reset_to_zero=["y_ptr"]
-    ),
-    **{
-        name: _autotuned(kernels.KERNELS[name], TILE_CONFIGS, list(_AUTOTUNE_KEYS[name]), prune_configs_by=_PRUNED)
-        for name in ("pointer_spmm", "segment_sddmm", "pointer_sddmm")
-    },
-    # They accumulate by atomic adds: likewise.
-    "rowwise_backward": _autotuned(
-        kernels.rowwise_backward_kernel, TILE_CONFIGS, list(_AUTOTUNE_KEYS["rowwise_backward"]),
-        prune_configs_by=_PRUNED, reset_to_zero=["dx_ptr"],
-    ),
-    "patch_spmm": _autotuned(
-        kernels.patch_spmm_kernel, PATCH_CONFIGS, list(_AUTOTUNE_KEYS["patch_spmm"]), prune_configs_by=_PRUNED,
-        reset_to_zero=["y_ptr"],
-    ),
-    "patch_sddmm": _autotuned(
-        kernels.patch_sddmm_kernel, PATCH_CONFIGS, list(_AUTOTUNE_KEYS["patch_sddmm"]), prune_configs_by=_PRUNED
-    ),
-}
+    name: _autotuned(
+        kernels.KERNELS[name], configs, list(_AUTOTUNE_KEYS[name]),
+        # the segment kernel's configs are not tiles
+        prune_configs_by=None if name == "segment_spmm" else {"early_config_prune": tile_configs_for},
+        reset_to_zero=[_ACCUMULATED[name]] if name in _ACCUMULATED else None,
+    )
+    for name, configs in CONFIGS.items()
+}  # fmt: skip
 # (kernel name, dtype, the call's constexprs, its positional autotune-key arguments) -> the
 # config the autotuner picked for them (module docstring, *Launches*)
 PICKED: dict[tuple, dict] = {}
