@@ -72,7 +72,30 @@ def test_updates_stop_after_stop_fraction_and_return_flags():
     assert [t + 1 for t, f in enumerate(flags) if f] == [5, 10, 15]  # step 20: cosine fraction is 0
 
 
-def test_rigl_grows_exactly_the_top_gradient_inactive_positions():
+def _squared_error(module, x, target):
+    ((module(x) - target) ** 2).sum().backward()
+
+
+def _relu_in_place_on_3d_input(module, x, target):
+    y = module(x.reshape(1, *x.shape))  # (1, B, out): the layer returns a view of its (B, out) result
+    torch.relu_(y)
+    ((y - target) ** 2).sum().backward()
+
+
+def _keyword_call(module, x, target):
+    ((module(input=x) - target) ** 2).sum().backward()
+
+
+def _two_backward_passes(module, x, target):
+    y = module(x)
+    (y**2).sum().backward(retain_graph=True)
+    (y * target).sum().backward()  # .grad holds the sum of both
+
+
+@pytest.mark.parametrize(
+    "forward_backward", [_squared_error, _relu_in_place_on_3d_input, _keyword_call, _two_backward_passes]
+)
+def test_rigl_grows_exactly_the_top_gradient_inactive_positions(forward_backward):
     torch.manual_seed(0)
     layer = snack.SparseLinear(10, 8, sparsity=0.7, dtype=torch.float64)
     old_key = linear_index(layer.topology)
@@ -80,16 +103,19 @@ def test_rigl_grows_exactly_the_top_gradient_inactive_positions():
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # weights stay put: the drop is predictable
     dst = snack.dst.RigL(layer, opt, drop_fraction=0.25, update_every=1, total_steps=10, schedule="constant")
     x, target = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
-    ((layer(x) - target) ** 2).sum().backward()
+    forward_backward(layer, x, target)
     opt.step()
-    # dense reference of dL/dW for the same batch
-    weight = layer.to_dense().detach().requires_grad_()
-    ((nn.functional.linear(x, weight, layer.bias.detach()) - target) ** 2).sum().backward()
+    # dense reference of dL/dW for the same batch and the same loss
+    dense = nn.Linear(10, 8, dtype=torch.float64)
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+        dense.bias.copy_(layer.bias)
+    forward_backward(dense, x, target)
     assert dst.step()
 
     k = int(0.25 * old_key.numel())
     dropped = old_key[old_values.abs().sort(stable=True).indices[:k]]
-    scores = weight.grad.abs().reshape(-1).clone()
+    scores = dense.weight.grad.abs().reshape(-1).clone()
     scores[old_key] = -1  # positions active before the drop are never grown
     grown = scores.topk(k).indices
     expected = (set(old_key.tolist()) - set(dropped.tolist())) | set(grown.tolist())
@@ -97,6 +123,26 @@ def test_rigl_grows_exactly_the_top_gradient_inactive_positions():
     assert layer.nnz == old_key.numel()
     new = torch.isin(linear_index(layer.topology), grown)
     assert bool((layer.values[new] == 0).all())
+
+
+def test_a_model_armed_for_rigl_can_be_saved_and_copied():
+    """The hooks of an armed step travel with the model as inert ones: a copy records nothing
+    into the original's update."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=1, total_steps=10)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(model)
+    for other in (loaded, twin):
+        other(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="no gradient was recorded"):
+        dst.step()
+    assert dst.step_count == 0
+    _train(model, opt, dst, _batches(1))  # the original still records and updates
+    assert dst.step_count == 1
 
 
 def test_set_grows_only_inactive_positions():
@@ -322,6 +368,81 @@ def test_unknown_optimizer_state_shape_fails_before_any_change():
         dst.step()
     _same(before, _snapshot(model, opt))
     assert dst.step_count == 1
+
+
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, monkeypatch):
+    """Every layer's rewiring is computed before any is applied: an error on the last one (here
+    an allocation failure) leaves the first ones, the optimizer and the RNG untouched, and a
+    retry gives the update an undisturbed run gives."""
+    runs = []
+    for fail in (True, False):
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        dst = algorithm(model, opt, update_every=2, total_steps=10, schedule="constant")
+        x, y = _batches(2)[0]
+        _train(model, opt, dst, [(x, y)])
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if fail:
+            real, calls = snack.dst.algorithms.plan_rewire, []
+
+            def failing(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise torch.OutOfMemoryError("simulated")
+                return real(*args, **kwargs)
+
+            before, rng = _snapshot(model, opt), dst.generator.get_state()
+            with monkeypatch.context() as patch:
+                patch.setattr(snack.dst.algorithms, "plan_rewire", failing)
+                with pytest.raises(torch.OutOfMemoryError):
+                    dst.step()
+            _same(before, _snapshot(model, opt))
+            assert torch.equal(dst.generator.get_state(), rng) and dst.step_count == 1
+        assert dst.step()
+        runs.append(_snapshot(model, opt))
+    _same(*runs)
+
+
+def test_gradual_pruning_reaches_final_sparsity_from_any_initial_sparsity():
+    model = _model(sparsity=0.5)
+    layers = _sparse_layers(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gp = snack.dst.GradualPruning(model, opt, final_sparsity=0.9, start_step=0, end_step=20, update_every=5,
+                                  initial_sparsity=0.0)  # fmt: skip
+    total = sum(m.out_features * m.in_features for m in layers)
+    start = 1 - sum(m.nnz for m in layers) / total
+    for t in range(1, 21):
+        gp.step()
+        # the schedule's sparsity from 0, once it passes the model's 0.5: 0.52 at step 5, ... 0.9
+        expected = max(start, gp.sparsity(5 * (t // 5)))
+        assert 1 - sum(m.nnz for m in layers) / total == pytest.approx(expected, abs=0.01)
+    assert gp.sparsity(20) == 0.9
+
+
+@pytest.mark.parametrize(
+    "make_opt, key, fresh",
+    [
+        (lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.25), "sum", 0.25),
+        (lambda p: torch.optim.Rprop(p, lr=0.03), "step_size", 0.03),
+        (lambda p: torch.optim.Rprop(p, lr=0.03), "prev", 0.0),
+    ],
+    ids=["adagrad-sum", "rprop-step-size", "rprop-prev"],
+)
+def test_new_connections_get_the_state_the_optimizer_gives_a_fresh_parameter(make_opt, key, fresh):
+    layer = snack.SparseLinear(10, 8, sparsity=0.6)
+    opt = make_opt(layer.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        layer(torch.randn(4, 10)).pow(2).sum().backward()
+        opt.step()
+    old_key = linear_index(layer.topology)
+    old = dict(zip(old_key.tolist(), opt.state[layer.values][key].tolist()))
+    grow = snack.dst.random_grow(layer.topology, 3, torch.Generator().manual_seed(0))
+    snack.dst.rewire(layer, opt, torch.tensor([1, 2, 7]), grow)
+    for p, v in zip(linear_index(layer.topology).tolist(), opt.state[layer.values][key].tolist()):
+        assert v == pytest.approx(fresh if p in set(grow.tolist()) else old[p])
 
 
 def test_rigl_update_without_a_recorded_gradient_is_an_error():

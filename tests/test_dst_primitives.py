@@ -91,14 +91,43 @@ def test_rewire_keeps_invariants_values_and_zero_initialises_new_connections():
     assert torch.equal(layer.topology.rowptr.diff(), torch.bincount(layer.row.long(), minlength=12).int())
 
 
-def test_rewire_rejects_growing_an_active_position_and_changes_nothing():
-    layer = snack.SparseLinear(9, 12, sparsity=0.6)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+@pytest.mark.parametrize(
+    "drop, grow, grow_values, error, match",
+    [
+        ([0], "active", None, ValueError, r"layer: grow positions must be inactive"),
+        ([0, 0], "inactive2", None, ValueError, r"layer: drop positions must be unique"),
+        ([-1], "inactive1", None, ValueError, r"layer: drop positions must be in \[0, 43\), got -1..-1"),
+        ([43], "inactive1", None, ValueError, r"layer: drop positions must be in \[0, 43\), got 43..43"),
+        ([0], "out_of_range", None, ValueError, r"layer: grow positions must be in \[0, 108\), got 108..108"),
+        ([0, 1], "duplicate", None, ValueError, r"layer: grow positions must be unique"),
+        (torch.tensor([0.0]), "inactive1", None, TypeError, r"layer: drop must be a 1-D integer tensor, got \(1,\)"),
+        ([0], "inactive1", torch.zeros(5), ValueError, r"grow_values must be a floating tensor of shape \(1,\)"),
+        ([0], "inactive1", torch.zeros(1, dtype=torch.int64), ValueError, r"grow_values must be a floating"),
+    ],
+)
+def test_rewire_rejects_bad_arguments_and_changes_nothing(drop, grow, grow_values, error, match):
+    layer = snack.SparseLinear(9, 12, sparsity=0.6)  # 43 connections of 108
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, 9)).sum().backward()
+    opt.step()
+    inactive = torch.tensor(sorted(set(range(108)) - set(linear_index(layer.topology).tolist())))
+    grow = {
+        "active": linear_index(layer.topology)[4:5], "inactive1": inactive[:1], "inactive2": inactive[:2],
+        "duplicate": inactive[:1].repeat(2), "out_of_range": torch.tensor([108]),
+    }[grow]  # fmt: skip
+    drop = torch.tensor(drop) if isinstance(drop, list) else drop
     before = (layer.row.clone(), layer.col.clone(), layer.values.detach().clone())
-    active = linear_index(layer.topology)[4:5]
-    with pytest.raises(ValueError, match="unique and inactive"):
-        rewire(layer, opt, torch.tensor([0]), active)
+    state = {k: v.clone() for k, v in opt.state[layer.values].items()}
+    with pytest.raises(error, match=match):
+        rewire(layer, opt, drop, grow, grow_values=grow_values)
     assert all(torch.equal(a, b) for a, b in zip(before, (layer.row, layer.col, layer.values)))
+    assert all(torch.equal(v, opt.state[layer.values][k]) for k, v in state.items())
+
+
+def test_the_stop_step_is_not_lost_to_floating_point_rounding():
+    # 0.29 · 100 is 28.999999999999996
+    assert DropSchedule(0.3, 1, 100, 0.29, "cosine").end_step == 29
+    assert DropSchedule(0.3, 1, 7, 0.5, "cosine").end_step == 3
 
 
 def test_cosine_and_constant_schedules():

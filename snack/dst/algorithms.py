@@ -1,8 +1,8 @@
 """SET, RigL and gradual magnitude pruning: drop/grow scores plus a schedule.
 
 All three share :class:`DynamicSparsity` (layer discovery, argument checks, step counter,
-seeded RNG, ``state_dict``) and :func:`snack.dst.update.rewire` (the update itself). They differ
-only in how many connections each update replaces and in their drop and grow scores:
+seeded RNG, ``state_dict``) and :func:`snack.dst.update.plan_rewire` (the update itself). They
+differ only in how many connections each update replaces and in their drop and grow scores:
 
 =============== ============================== ========================================
 algorithm       drop                           grow
@@ -28,7 +28,7 @@ from snack.dst.capture import GradientCapture
 from snack.dst.optim_state import check_optimizer, check_state
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import SCHEDULES, DropSchedule, cubic_sparsity
-from snack.dst.update import rewire
+from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
 from snack.topology import check_sparsity
 
@@ -165,20 +165,24 @@ class DynamicSparsity:
             self._capture.disarm()
 
     def _update(self, step: int) -> bool:
+        """Plan and compute every layer's rewiring, then apply them all: an error while planning
+        (a bad plan, out of memory) leaves every layer, the optimizer and the RNG as they were."""
         for name, layer in self.layers:
             check_state(self.optimizer, layer.values, name)
         rng_state = self.generator.get_state()
         try:
-            plans = [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]
-        except Exception:
+            rewirings = []
+            for i, (name, layer) in enumerate(self.layers):
+                drop, grow, grow_values = self._plan(step, i, name, layer)
+                if drop.numel() or grow.numel():
+                    plan = plan_rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
+                    rewirings.append(plan)
+        except BaseException:
             self.generator.set_state(rng_state)
             raise
-        changed = False
-        for (name, layer), (drop, grow, grow_values) in zip(self.layers, plans):
-            if drop.numel() or grow.numel():
-                rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
-                changed = True
-        return changed
+        for rewiring in rewirings:
+            rewiring.apply()
+        return bool(rewirings)
 
 
 class _DropGrow(DynamicSparsity):
@@ -312,11 +316,13 @@ class GradualPruning(DynamicSparsity):
     """Gradual magnitude pruning (Zhu & Gupta, 2017): nnz shrinks on a cubic schedule.
 
     Every ``update_every`` steps from ``start_step`` to ``end_step``, each layer keeps its
-    largest-``|w|`` connections so that its density is ``d_l · (1 - s_t) / (1 - s_0)``: all
+    largest-``|w|`` connections so that its density is ``d_l · (1 - s_t) / (1 - s_0)``, with
+    ``d_l`` and ``s_0`` the layer's density and the layers' overall sparsity at construction: all
     layers shrink by the same ratio, so the layer-wise distribution chosen by ``sparsify`` (e.g.
-    ERK) is kept. ``s_t`` follows :func:`snack.dst.schedules.cubic_sparsity` from
-    ``initial_sparsity`` (default: the layers' sparsity now) to ``final_sparsity``. Nothing
-    grows; the optimizer state of survivors is kept. Start from ``sparsify(model, 0.0)`` for
+    ERK) is kept, and the overall sparsity is ``s_t``. ``s_t`` follows
+    :func:`snack.dst.schedules.cubic_sparsity` from ``initial_sparsity`` (default: ``s_0``) to
+    ``final_sparsity``; while ``s_t < s_0`` nothing is pruned. Nothing grows; the optimizer
+    state of survivors is kept. Start from ``sparsify(model, 0.0)`` for
     dense-to-sparse training, or e.g. 0.5 → 0.9.
     """
 
@@ -375,7 +381,10 @@ class GradualPruning(DynamicSparsity):
         return self.start_step <= step <= self.end_step and (step - self.start_step) % self.update_every == 0
 
     def _plan(self, step, index, name, layer):
-        ratio = (1.0 - self.sparsity(step)) / (1.0 - self.initial_sparsity)
+        # Scaled from the density the layers had at the start (not 1 - initial_sparsity, which the
+        # caller may set apart from it), so the overall sparsity is s_t (once s_t passes it).
+        total = sum(layer.out_features * layer.in_features for _, layer in self.layers)
+        ratio = (1.0 - self.sparsity(step)) / (sum(self.initial_nnz) / total)
         target = max(1, round(self.initial_nnz[index] * ratio))
         drop = magnitude_drop(layer.values, max(0, layer.nnz - target))
         return drop, _EMPTY, None

@@ -5,7 +5,13 @@ registered only while armed (the algorithm arms them right before an update step
 steps pay nothing. A forward hook stores ``X`` and puts a tensor hook on the output that
 stores ``dY`` when backward reaches it. A layer run several times in one step (weight sharing,
 micro-batches) records every call: ``Σ_calls dY_iᵀ·X_i`` is the gradient of the whole step, and
-it equals the product of the calls concatenated along the batch.
+it equals the product of the calls concatenated along the batch. Several backward passes through
+one call (``retain_graph=True``) add up, as ``.grad`` does; so does ``torch.autograd.grad``
+through the layer (e.g. a gradient penalty's first pass), which ``.grad`` does not see.
+
+Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
+elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
+see :func:`snack.dst.prune_grow.gradient_grow`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ class GradientCapture:
 
     def arm(self) -> None:
         if not self.armed:
-            self._handles = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
+            self._handles = [
+                layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
+                for i, layer in enumerate(self.layers)
+            ]
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -48,21 +57,45 @@ class GradientCapture:
         done = [(x, dy) for x, dy in self._records[index] if dy is not None]
         if not done:
             return None
+        if len(done) == 1:  # the usual case: no copy
+            return done[0]
         return torch.cat([x for x, _ in done]), torch.cat([dy for _, dy in done])
 
-    def _hook(self, index: int):
+    def record(self, index: int, x: Tensor, output: Tensor) -> None:
+        """Keep ``x (*, in)`` and, when backward reaches ``output (*, out)``, its gradient."""
         layer = self.layers[index]
+        record = [x.detach().reshape(-1, layer.in_features), None]
+        self._records[index].append(record)
 
-        def forward_hook(module, inputs, output):
-            # eval passes (no_grad or frozen) never get a gradient: nothing to record
-            if not (torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad):
-                return
-            record = [inputs[0].detach().reshape(-1, layer.in_features), None]
-            self._records[index].append(record)
+        def grad_hook(grad: Tensor) -> None:
+            grad = grad.detach().reshape(-1, layer.out_features)
+            record[1] = grad if record[1] is None else record[1] + grad
 
-            def grad_hook(grad: Tensor) -> None:
-                record[1] = grad.detach().reshape(-1, layer.out_features)
+        # A layer given (*, in) returns a view of its (N, out) result. An in-place op on that view
+        # (ReLU(inplace=True)) replaces the view's autograd history, and a hook on the view would
+        # never fire; one on the (N, out) result still sees dY.
+        if output._base is not None and output._base.shape == (record[0].shape[0], layer.out_features):
+            output = output._base
+        output.register_hook(grad_hook)
 
-            output.register_hook(grad_hook)
 
-        return forward_hook
+class _RecordingHook:
+    """The forward hook :meth:`GradientCapture.arm` puts on layer ``index``.
+
+    A copy of the model (``copy.deepcopy``, ``torch.save``) made while it is armed gets an inert
+    hook: the DST object acts on the original layers only.
+    """
+
+    def __init__(self, capture: GradientCapture | None, index: int):
+        self.capture, self.index = capture, index
+
+    def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
+        # eval passes (no_grad or frozen) never get a gradient: nothing to record
+        if self.capture is None or not (
+            torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
+        ):
+            return
+        self.capture.record(self.index, args[0] if args else kwargs["input"], output)
+
+    def __reduce__(self):
+        return _RecordingHook, (None, self.index)

@@ -4,7 +4,10 @@ An optimizer keeps per-parameter state (``optimizer.state[values]``): per-elemen
 like ``values`` (SGD ``momentum_buffer``, Adam/AdamW ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``, ...) and scalars (``step``). After a rewiring, element ``i`` of the new
 ``values`` is either the old connection ``src[i]`` or a new one (``src[i] = -1``): per-element
-state is gathered at ``src`` with zeros for new connections; scalars are left as they are.
+state is gathered at ``src``, and new connections get what the optimizer gives a fresh
+parameter: zeros, except Adagrad's ``sum`` (``initial_accumulator_value``) and Rprop's
+``step_size`` (the learning rate; zero would pin it at ``step_size_min``, freezing the new
+connection for dozens of steps). Scalars are left as they are.
 The ``values`` Parameter object itself is kept, so param groups, LR schedulers and the
 optimizer's ``state_dict`` stay valid.
 """
@@ -52,20 +55,31 @@ def remapped_state(optimizer: torch.optim.Optimizer, param: Tensor, src: Tensor,
 
     Returns:
         a new state dict (``None`` if ``param`` has no state yet): per-element tensors
-        ``(nnz_new,)`` with kept entries copied and zeros for new connections; other entries
-        the same objects as before.
+        ``(nnz_new,)`` with kept entries copied and fresh ones (module docstring) for new
+        connections; other entries the same objects as before.
     """
     state = optimizer.state.get(param)
     if not state:
         return None
     check_state(optimizer, param, name)
     kept = src >= 0
+    fresh = _fresh_values(optimizer, param)
     new_state = {}
     for key, value in state.items():
         if isinstance(value, Tensor) and value.dim() > 0:
-            remapped = value.new_zeros(src.shape)
+            remapped = value.new_full(src.shape, fresh.get(key, 0.0))
             remapped[kept] = value[src[kept]]
             new_state[key] = remapped
         else:
             new_state[key] = value
     return new_state
+
+
+def _fresh_values(optimizer: torch.optim.Optimizer, param: Tensor) -> dict[str, float]:
+    """Per-element state keys that ``optimizer`` starts at a non-zero value for ``param``."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return {"sum": float(group["initial_accumulator_value"])}
+    if isinstance(optimizer, torch.optim.Rprop):
+        return {"step_size": float(group["lr"])}
+    return {}

@@ -90,9 +90,10 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
-    (``rows · in <= block_elements``), active positions of the block are masked out, and a
-    running top-``k`` is kept across blocks, so at most one block plus ``2k`` scores exist at
-    once — never the ``out × in`` gradient.
+    (``rows · in <= block_elements``, at least one row), active positions of the block are
+    masked out, and a running top-``k`` is kept across blocks, so at most one block plus ``2k``
+    scores exist at once: the ``out × in`` gradient only for a layer that fits in one block
+    (4 MB of float32 scores by default).
 
     Args:
         x: ``(B, in)`` layer inputs of the batch.

@@ -33,7 +33,8 @@ class DropSchedule:
         self.total_steps = total_steps
         self.stop_fraction = stop_fraction
         self.kind = kind
-        self.end_step = math.floor(stop_fraction * total_steps)
+        # rounded first: 0.29 · 100 is 28.999999999999996 in binary floating point
+        self.end_step = math.floor(round(stop_fraction * total_steps, 9))
 
     def is_update_step(self, step: int) -> bool:
         return step >= 1 and step % self.update_every == 0 and step <= self.end_step

@@ -8,6 +8,8 @@ invariants (indices sorted by ``(row, col)``, unique, in range; caches cleared b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -15,10 +17,78 @@ from snack.dst.optim_state import remapped_state
 from snack.dst.prune_grow import linear_index
 from snack.nn import SparseLinear
 
-__all__ = ["rewire"]
+__all__ = ["Rewiring", "plan_rewire", "rewire"]
+
+
+@dataclass
+class Rewiring:
+    """A checked, fully computed topology change of one layer, not applied yet: the algorithms
+    plan every layer's before they apply any, so a failure anywhere changes nothing."""
+
+    layer: SparseLinear
+    optimizer: torch.optim.Optimizer
+    row: Tensor  # (nnz',) int32, sorted with col by (row, col)
+    col: Tensor  # (nnz',) int32
+    values: Tensor  # (nnz',) the new weights
+    state: dict | None  # the optimizer's new state of layer.values (None: it has none)
+
+    def apply(self) -> None:
+        param = self.layer.values
+        self.layer.set_topology(self.row, self.col, self.values)
+        if self.state is not None:
+            self.optimizer.state[param] = self.state
+
+
+def _positions(tensor, argument: str, name: str, limit: int, device: torch.device) -> Tensor:
+    """``tensor`` as ``(k,)`` int64 on ``device`` after checking it holds unique ints in ``[0, limit)``."""
+    if not isinstance(tensor, Tensor) or tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool:
+        shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, Tensor) else type(tensor).__name__
+        raise TypeError(f"{name}: {argument} must be a 1-D integer tensor, got {shown}")
+    tensor = tensor.to(device=device, dtype=torch.int64)
+    if tensor.numel() and not (0 <= int(tensor.min()) and int(tensor.max()) < limit):
+        raise ValueError(
+            f"{name}: {argument} positions must be in [0, {limit}), got {int(tensor.min())}..{int(tensor.max())}"
+        )
+    if tensor.unique().numel() != tensor.numel():
+        raise ValueError(f"{name}: {argument} positions must be unique")
+    return tensor
 
 
 @torch.no_grad()
+def plan_rewire(
+    layer: SparseLinear,
+    optimizer: torch.optim.Optimizer,
+    drop: Tensor,
+    grow: Tensor,
+    *,
+    grow_values: Tensor | None = None,
+    name: str = "layer",
+) -> Rewiring:
+    """What :func:`rewire` does, checked and computed but not applied (no side effects)."""
+    values = layer.values
+    drop = _positions(drop, "drop", name, layer.nnz, values.device)
+    grow = _positions(grow, "grow", name, layer.out_features * layer.in_features, values.device)
+    if grow_values is None:
+        grow_values = values.new_zeros(grow.numel())
+    elif not isinstance(grow_values, Tensor) or grow_values.shape != grow.shape or not grow_values.is_floating_point():
+        shown = f"{tuple(grow_values.shape)} {grow_values.dtype}" if isinstance(grow_values, Tensor) else grow_values
+        raise ValueError(f"{name}: grow_values must be a floating tensor of shape {tuple(grow.shape)}, got {shown}")
+    keep = torch.ones(layer.nnz, dtype=torch.bool, device=values.device)
+    keep[drop] = False
+    kept = keep.nonzero().squeeze(1)
+    linear = torch.cat([linear_index(layer.topology)[kept], grow])
+    src = torch.cat([kept, torch.full_like(grow, -1)])
+    new_values = torch.cat([values.detach()[kept], grow_values.to(values.device, values.dtype)])
+    order = torch.argsort(linear)
+    linear, src, new_values = linear[order], src[order], new_values[order]
+    if linear.numel() > 1 and not bool((linear[1:] > linear[:-1]).all()):
+        raise ValueError(f"{name}: grow positions must be inactive (or dropped in this same call)")
+    state = remapped_state(optimizer, values, src, name)
+    in_features = layer.in_features
+    row, col = (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
+    return Rewiring(layer, optimizer, row, col, new_values, state)
+
+
 def rewire(
     layer: SparseLinear,
     optimizer: torch.optim.Optimizer,
@@ -31,30 +101,16 @@ def rewire(
     """Remove connections ``drop`` and add ``grow``; remap ``optimizer``'s state of ``layer.values``.
 
     Args:
-        drop: ``(k_drop,)`` int64 unique positions into the current ``values``.
-        grow: ``(k_grow,)`` int64 unique linear positions ``r · in + c``, all inactive now.
+        drop: ``(k_drop,)`` unique integer positions into the current ``values``.
+        grow: ``(k_grow,)`` unique integer linear positions ``r · in + c``, each inactive now
+            (or dropped by this call).
         grow_values: ``(k_grow,)`` initial weights of the new connections (default zeros),
             in the order of ``grow``.
+        name: how errors name the layer.
 
-    New connections get zero optimizer state; survivors keep theirs (and their weights).
-    Everything is computed and checked before the layer or optimizer changes, so an error
-    leaves both as they were.
+    New connections get fresh optimizer state (:func:`snack.dst.optim_state.remapped_state`);
+    survivors keep theirs (and their weights). Everything is checked and computed before the
+    layer or optimizer changes, so an error (``TypeError``/``ValueError`` naming the bad
+    argument) leaves both as they were.
     """
-    values = layer.values
-    in_features = layer.in_features
-    keep = torch.ones(layer.nnz, dtype=torch.bool, device=values.device)
-    keep[drop] = False
-    kept = keep.nonzero().squeeze(1)
-    if grow_values is None:
-        grow_values = values.new_zeros(grow.numel())
-    linear = torch.cat([linear_index(layer.topology)[kept], grow])
-    src = torch.cat([kept, torch.full_like(grow, -1)])
-    new_values = torch.cat([values.detach()[kept], grow_values.to(values.dtype)])
-    order = torch.argsort(linear)
-    linear, src, new_values = linear[order], src[order], new_values[order]
-    if linear.numel() > 1 and not bool((linear[1:] > linear[:-1]).all()):
-        raise ValueError(f"{name}: grow positions must be unique and inactive")
-    state = remapped_state(optimizer, values, src, name)
-    layer.set_topology((linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32), new_values)
-    if state is not None:
-        optimizer.state[values] = state
+    plan_rewire(layer, optimizer, drop, grow, grow_values=grow_values, name=name).apply()
