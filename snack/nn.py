@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import sys
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -16,7 +17,8 @@ from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense
 
 __all__ = ["SparseLinear", "densify", "sparsify"]
 
-_STATE_VERSION = 1
+# state_dict format: 2 stores _extra_state as a tensor (1: a dict)
+_STATE_VERSION = 2
 
 
 class SparseLinear(nn.Module):
@@ -36,7 +38,7 @@ class SparseLinear(nn.Module):
         in_features, out_features: sizes of each input and output sample.
         bias: learn an additive bias.
         sparsity: fraction of zero connections in ``[0, 1)``; the topology is drawn uniformly at
-            random with ``round((1 - sparsity) · out · in)`` connections.
+            random with ``round((1 - sparsity) · out · in)`` connections (at least one).
         device, dtype: of the parameters (indices are always int32 on ``device``).
 
     Use :meth:`from_dense` to keep the non-zeros (or largest weights) of an existing layer, and
@@ -57,7 +59,15 @@ class SparseLinear(nn.Module):
     ):
         super().__init__()
         check_shape(out_features, in_features)
+        in_features, out_features = int(in_features), int(out_features)
         sparsity = check_sparsity(sparsity)
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
+        if torch.empty(0, device=device).device.type == "meta":
+            raise NotImplementedError(
+                "SparseLinear cannot be built on the meta device: its topology is drawn when it is built. "
+                "Build it on a real device (or sparsify the model after materialising it)."
+            )
         row, col = random_coo(out_features, in_features, sparsity, device=device)
         values = torch.empty(row.numel(), device=device, dtype=dtype)
         bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
@@ -72,6 +82,7 @@ class SparseLinear(nn.Module):
         self.values = nn.Parameter(values)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self._topology: Topology | None = None
+        self._topology_key: tuple | None = None  # what _topology was built from (see topology)
 
     # ------------------------------------------------------------------ constructors
 
@@ -157,10 +168,26 @@ class SparseLinear(nn.Module):
 
     @property
     def topology(self) -> Topology:
-        """The current coordinates with their cached derived data (rebuilt after any change)."""
-        if self._topology is None:
-            self._topology = Topology(self.row, self.col, (self.out_features, self.in_features), validate=False)
-        return self._topology
+        """The current coordinates with their cached derived data.
+
+        The cache follows ``row`` and ``col``: it is rebuilt, and the coordinates validated,
+        whenever they are other tensors or were changed in place since it was built (a buffer
+        copy by DDP, ``AveragedModel``, ``torch.func.functional_call``, ``copy_`` of another
+        layer's buffers), so a layer always computes with its own coordinates, or raises
+        ``ValueError`` if they are not valid. (Inference tensors carry no version counter: one
+        changed in place under ``torch.inference_mode`` is not noticed.)
+        """
+        row, col, cached = self.row, self.col, self._topology
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace is_inference(): traced code relies on the explicit resets
+            # (set_topology, load_state_dict, .to()) alone.
+            if cached is None:
+                cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
+            return cached
+        if cached is None or not _built_from(self._topology_key, row, col):
+            cached = Topology(row, col, (self.out_features, self.in_features))
+            self._topology, self._topology_key = cached, _buffers_key(row, col)
+        return cached
 
     def indices(self) -> Tensor:
         """``(2, nnz)`` int64 tensor of ``[row; col]``, as ``torch.sparse_coo_tensor`` takes them."""
@@ -194,7 +221,8 @@ class SparseLinear(nn.Module):
         self._topology = None
 
     def _apply(self, fn, recurse=True):
-        # .to()/.cuda()/.half() replace buffers: derived index data must follow
+        # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
+        # on its own, traced code would not)
         self._topology = None
         return super()._apply(fn, recurse)
 
@@ -232,26 +260,35 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ serialisation
 
-    def get_extra_state(self) -> dict:
-        return {"version": _STATE_VERSION, "shape": (self.out_features, self.in_features)}
+    def get_extra_state(self) -> Tensor:
+        """``[format version, out_features, in_features]`` as an int64 tensor (a tensor, so that
+        tensor-only formats such as safetensors can hold the state_dict)."""
+        return torch.tensor([_STATE_VERSION, self.out_features, self.in_features], dtype=torch.int64)
 
-    def set_extra_state(self, state: dict) -> None:
+    def set_extra_state(self, state) -> None:
         pass  # checked in _load_from_state_dict, before anything changes
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Load a topology of any nnz: resize ``row``/``col``/``values`` first, then let
-        ``nn.Module`` copy. On any error the layer is left untouched."""
+        ``nn.Module`` copy. ``row``, ``col`` and ``values`` load together or not at all (any
+        missing is reported as missing, the others are not loaded); ``_extra_state`` (the shape
+        check) is optional. On any error the layer is left untouched."""
         keys = {name: prefix + name for name in ("row", "col", "values", "_extra_state")}
-        if keys["row"] not in state_dict or keys["col"] not in state_dict or keys["values"] not in state_dict:
-            # let nn.Module report the missing keys
+        missing = [keys[name] for name in ("row", "col", "values") if keys[name] not in state_dict]
+        if len(missing) == 3:  # none of the topology: nn.Module reports it and loads the bias
             return super()._load_from_state_dict(
                 state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
             )
+        if missing:  # part of a topology is not one
+            missing_keys.extend(missing)
+            return
+        if keys["_extra_state"] not in state_dict:  # optional: nn.Module must not call it missing
+            state_dict = {**state_dict, keys["_extra_state"]: self.get_extra_state()}
         expected_shape = (self.out_features, self.in_features)
         try:
-            extra = state_dict.get(keys["_extra_state"])
-            if isinstance(extra, dict) and tuple(extra.get("shape", expected_shape)) != expected_shape:
-                raise ValueError(f"the state_dict is of a {tuple(extra['shape'])} layer, this layer is {expected_shape}")
+            saved_shape = _saved_shape(state_dict.get(keys["_extra_state"]), expected_shape)
+            if saved_shape != expected_shape:
+                raise ValueError(f"the state_dict is of a {saved_shape} layer, this layer is {expected_shape}")
             row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
             validate_coo(row, col, expected_shape)
             _check_values(values, row)
@@ -270,11 +307,43 @@ class SparseLinear(nn.Module):
         self._topology = None
         # row/col now match; nn.Module copies them again (cheap) and copies values and bias
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
+            self.row, self.col = self.row.to(torch.int32), self.col.to(torch.int32)
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_topology"] = None  # derived data is rebuilt on demand
+        state["_topology"] = state["_topology_key"] = None  # derived data is rebuilt on demand
         return state
+
+    def __setstate__(self, state):
+        state.setdefault("_topology_key", None)  # pickled before the key existed
+        super().__setstate__(state)
+
+
+def _saved_shape(extra, default: tuple[int, int]) -> tuple[int, ...]:
+    """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2), a
+    ``{"version": 1, "shape": ...}`` dict (format 1), or ``default`` when there is none."""
+    if extra is None:
+        return default
+    if isinstance(extra, Tensor) and extra.shape == (3,):
+        return tuple(int(v) for v in extra[1:])
+    if isinstance(extra, dict) and "shape" in extra:
+        return tuple(extra["shape"])
+    raise ValueError(f"_extra_state must be [version, out_features, in_features], got {extra!r}")
+
+
+def _version(tensor: Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+def _buffers_key(row: Tensor, col: Tensor) -> tuple:
+    """``(row, col, their version counters)``: what a cached topology was built from."""
+    return row, col, _version(row), _version(col)
+
+
+def _built_from(key: tuple | None, row: Tensor, col: Tensor) -> bool:
+    """Whether ``key`` names these very ``row``/``col`` tensors, unchanged in place since."""
+    return key is not None and key[0] is row and key[1] is col and key[2:] == (_version(row), _version(col))
 
 
 def _replace_data(param: nn.Parameter, data: Tensor) -> None:
@@ -323,7 +392,7 @@ def _conv1d_class():
 
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """``(weight (out, in), bias)`` of a layer ``sparsify`` converts, else ``None``."""
-    if isinstance(module, nn.Linear):
+    if type(module) is nn.Linear:  # not subclasses: see sparsify
         return module.weight, module.bias
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -348,6 +417,15 @@ def _patterns(value, name: str) -> list[str] | None:
     return patterns
 
 
+def _modules_by_identity(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Each distinct submodule of ``root`` with every qualified name it is reachable under (a
+    module shared between two places has two), in ``named_modules`` order."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, child in root.named_modules(remove_duplicate=False):
+        found.setdefault(id(child), (child, []))[1].append(name)
+    return found
+
+
 def _install(root: nn.Module, converted: dict[str, nn.Module]) -> nn.Module:
     """Put each ``converted[name]`` in place of ``root``'s submodule ``name``; return the new root."""
     if "" in converted:
@@ -356,6 +434,15 @@ def _install(root: nn.Module, converted: dict[str, nn.Module]) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
     return root
+
+
+def _keep_module_state(new: nn.Module, old: nn.Module, pairs: list[tuple[Tensor | None, Tensor | None]]) -> None:
+    """Give ``new`` the training mode of ``old`` and, for each ``(new parameter, old parameter)``,
+    the old one's ``requires_grad`` (a frozen layer stays frozen)."""
+    new.train(old.training)
+    for new_param, old_param in pairs:
+        if new_param is not None and old_param is not None:
+            new_param.requires_grad_(old_param.requires_grad)
 
 
 def sparsify(
@@ -380,19 +467,35 @@ def sparsify(
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
+
+    Each new layer keeps its predecessor's training mode and frozen parameters; a layer shared
+    between places becomes one shared :class:`SparseLinear`. Hooks registered on a replaced layer
+    are not carried over. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
+    may read ``.weight`` (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward``
+    may differ; convert one deliberately with :meth:`SparseLinear.from_dense`.
     """
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
-    targets = {
-        name: wb
-        for name, child in module.named_modules()
-        if (wb := _dense_weight_and_bias(child)) is not None and _selected(name, include, exclude)
-    }
-    shapes = {name: tuple(weight.shape) for name, (weight, _) in targets.items()}
+    targets, subclassed = {}, []
+    for child, names in _modules_by_identity(module).values():
+        if not _selected(names[0], include, exclude):
+            continue
+        if (wb := _dense_weight_and_bias(child)) is not None:
+            targets[names[0]] = (child, names, *wb)
+        elif isinstance(child, nn.Linear):
+            subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__})")
+    if subclassed:
+        warnings.warn(
+            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
+            "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
+            "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
+            stacklevel=2,
+        )
+    shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
     converted = {}
-    for name, (weight, bias) in targets.items():
+    for name, (child, names, weight, bias) in targets.items():
         if init == "magnitude":
             layer = SparseLinear.from_dense(weight, sparsity=per_layer[name], bias=bias)
         else:
@@ -400,18 +503,19 @@ def sparsify(
             layer = SparseLinear(
                 in_features, out_features, bias is not None, sparsity=per_layer[name], device=weight.device, dtype=weight.dtype
             )
-        layer.train(module.training)
-        converted[name] = layer
+        _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
+        converted.update(dict.fromkeys(names, layer))
     return _install(module, converted)
 
 
 def densify(module: nn.Module) -> nn.Module:
-    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear``, in place.
+    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear``, in place
+    (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     Returns ``module``, or a new ``nn.Linear`` when ``module`` is itself a ``SparseLinear``.
     """
     converted = {}
-    for name, child in module.named_modules():
+    for child, names in _modules_by_identity(module).values():
         if isinstance(child, SparseLinear):
             dense = nn.Linear(
                 child.in_features, child.out_features, child.bias is not None,
@@ -421,6 +525,6 @@ def densify(module: nn.Module) -> nn.Module:
                 dense.weight.copy_(child.to_dense())
                 if child.bias is not None:
                     dense.bias.copy_(child.bias)
-            dense.train(child.training)
-            converted[name] = dense
+            _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])
+            converted.update(dict.fromkeys(names, dense))
     return _install(module, converted)

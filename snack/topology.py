@@ -23,6 +23,7 @@ Nothing in this module allocates a tensor with ``out × in`` elements, except
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -54,7 +55,7 @@ class TopologyTensors(NamedTuple):
 
 def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
     """Return ``sparsity`` as a float, or raise if it is not a number in ``[0, 1)``."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)):
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):  # NumPy floats too
         raise TypeError(f"{name} must be a float in [0, 1), got {type(sparsity).__name__} {sparsity!r}")
     if not (0.0 <= float(sparsity) < 1.0) or math.isnan(sparsity):
         raise ValueError(f"{name} must be in [0, 1), got {sparsity!r}")
@@ -63,7 +64,7 @@ def check_sparsity(sparsity: float, name: str = "sparsity") -> float:
 
 def check_shape(out_features: int, in_features: int) -> None:
     for name, size in (("out_features", out_features), ("in_features", in_features)):
-        if isinstance(size, bool) or not isinstance(size, int):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):  # NumPy ints too
             raise TypeError(f"{name} must be an int, got {type(size).__name__} {size!r}")
         if not 0 < size <= MAX_INDEX:
             raise ValueError(f"{name} must be in [1, {MAX_INDEX}], got {size}")
@@ -72,7 +73,13 @@ def check_shape(out_features: int, in_features: int) -> None:
 def nnz_for_sparsity(out_features: int, in_features: int, sparsity: float) -> int:
     """Number of connections that a ``sparsity`` fraction of zeros leaves (at least 1)."""
     total = out_features * in_features
-    return max(1, min(total, round((1.0 - sparsity) * total)))
+    nnz = max(1, min(total, round((1.0 - sparsity) * total)))
+    if nnz > MAX_INDEX:
+        raise ValueError(
+            f"a {out_features}x{in_features} layer at sparsity {sparsity} would have {nnz} connections; snack's "
+            f"int32 indices hold at most {MAX_INDEX}: raise the sparsity"
+        )
+    return nnz
 
 
 def validate_coo(row: Tensor, col: Tensor, shape: tuple[int, int], *, require_sorted: bool = True) -> None:
@@ -257,7 +264,7 @@ class Topology:
     def rowptr(self) -> Tensor:
         """``(out + 1,)`` int32 CSR row pointer (computed on first use)."""
         if self._rowptr is None:
-            self._rowptr = _pointer(self.row, self.shape[0])
+            self._rowptr = _derived(lambda: _pointer(self.row, self.shape[0]))
         return self._rowptr
 
     @property
@@ -265,14 +272,14 @@ class Topology:
         """``(nnz,)`` int32 permutation into column-major order (computed on first use)."""
         if self._csc_perm is None:
             # row-major order is already sorted by row, so a stable sort by column yields (col, row) order
-            self._csc_perm = torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE)
+            self._csc_perm = _derived(lambda: torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE))
         return self._csc_perm
 
     @property
     def colptr(self) -> Tensor:
         """``(in + 1,)`` int32 column pointer into :attr:`csc_perm` (computed on first use)."""
         if self._colptr is None:
-            self._colptr = _pointer(self.col, self.shape[1])
+            self._colptr = _derived(lambda: _pointer(self.col, self.shape[1]))
         return self._colptr
 
     def tensors(self) -> TopologyTensors:
@@ -287,6 +294,17 @@ class Topology:
         out_features, in_features = self.shape
         density = self.nnz / (out_features * in_features)
         return f"Topology(shape={self.shape}, nnz={self.nnz}, density={density:.4g}, device={self.device})"
+
+
+def _derived(build) -> Tensor:
+    """``build()``, as a normal tensor even inside ``torch.inference_mode``: the cache outlives
+    the region, and a later training step must be able to save it for backward (an inference
+    tensor cannot be)."""
+    # (Dynamo cannot trace is_inference_mode_enabled(); a traced region is not in inference mode.)
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return build()
+    with torch.inference_mode(False):
+        return build()
 
 
 def _pointer(index: Tensor, size: int) -> Tensor:

@@ -83,16 +83,18 @@ def test_gradcheck_through_layer():
     assert torch.autograd.gradcheck(fn, (x, layer.values, layer.bias))
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("compiled_first", [False, True], ids=["eager-first", "compiled-first"])
+def test_torch_compile_fullgraph_matches_eager(compiled_first):
+    """Compiled first, the topology's derived data is built while tracing."""
     layer = make_layer(12, 10, 0.7, dtype=torch.float32)
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(5, 10)
-    y_eager = layer(x)
-    (g_eager,) = torch.autograd.grad(y_eager.square().sum(), layer.values)
-    y_compiled = compiled(x)
-    (g_compiled,) = torch.autograd.grad(y_compiled.square().sum(), layer.values)
-    torch.testing.assert_close(y_compiled, y_eager)
-    torch.testing.assert_close(g_compiled, g_eager)
+    results = {}
+    for name in ("compiled", "eager") if compiled_first else ("eager", "compiled"):
+        y = (compiled if name == "compiled" else layer)(x)
+        results[name] = (y, *torch.autograd.grad(y.square().sum(), layer.values))
+    for got, expected in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, expected)
 
 
 def test_attributes():
@@ -415,3 +417,180 @@ def test_gradient_checkpointing_gives_the_plain_gradients(use_reentrant):
         grads.append((xi.grad, layer.values.grad.clone(), layer.bias.grad.clone()))
     for got, expected in zip(*grads):
         torch.testing.assert_close(got, expected)
+
+
+# ---------------------------------------------------------------------- buffers changed behind the layer's back
+
+
+def test_the_layer_computes_with_its_buffers_after_they_are_copied_in_place():
+    """What DDP's buffer broadcast or AveragedModel(use_buffers=False) do: copy another layer's
+    coordinates into this one's tensors, after the cache was built."""
+    torch.manual_seed(0)
+    a, b = (SparseLinear(16, 8, sparsity=0.5, dtype=torch.float64) for _ in range(2))
+    x = torch.randn(3, 16, dtype=torch.float64)
+    a(x)  # builds the cache
+    with torch.no_grad():
+        for name in ("row", "col", "values", "bias"):
+            getattr(a, name).copy_(getattr(b, name))
+    _check_against_dense(a, x)
+    torch.testing.assert_close(a(x), b(x))
+
+
+def test_functional_call_with_other_buffers_leaves_the_layer_its_own():
+    layer, other = make_layer(8, 16, 0.5, seed=0), make_layer(8, 16, 0.7, seed=1)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    swapped = {name: getattr(other, name) for name in ("row", "col", "values", "bias")}
+    torch.testing.assert_close(torch.func.functional_call(layer, swapped, (x,)), other(x))
+    _check_against_dense(layer, x)
+
+
+def test_corrupted_buffers_fail_loudly_rather_than_compute():
+    layer = make_layer(8, 16, 0.5)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    layer(x)
+    with torch.no_grad():
+        layer.row.copy_(layer.row.flip(0))  # e.g. int buffers averaged by AveragedModel(use_buffers=True)
+    with pytest.raises(ValueError, match="sorted by"):
+        layer(x)
+
+
+def test_a_first_forward_under_inference_mode_does_not_poison_training():
+    layer = make_layer(5, 8, 0.5)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        layer(x)  # e.g. a validation pass before training
+    assert not any(t.is_inference() for t in layer.topology.tensors())
+    x.requires_grad_()
+    y = snack.ops.sparse_linear(x, layer.values, layer.topology, layer.bias)
+    (grad_x,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)  # saves the index tensors
+    grad_x.sum().backward()
+    assert layer.values.grad is not None
+
+
+# ---------------------------------------------------------------------- sparsify / densify keep module state
+
+
+class _AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ff = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.ff(self.attn(x, x, x)[0])
+
+
+def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
+    block = _AttentionBlock()
+    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear dense: attn.out_proj"):
+        snack.sparsify(block, 0.5)
+    assert isinstance(block.ff, SparseLinear)
+    assert type(block.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    x = torch.randn(2, 5, 16)
+    assert block(x).shape == x.shape  # MultiheadAttention reads out_proj.weight
+
+
+def test_sparsify_converts_a_shared_layer_once_for_all_its_places():
+    shared = nn.Linear(16, 16)
+    model = snack.sparsify(nn.Sequential(shared, nn.ReLU(), shared), 0.5)
+    assert isinstance(model[0], SparseLinear) and model[2] is model[0]
+    back = snack.densify(model)
+    assert isinstance(back[0], nn.Linear) and back[2] is back[0]
+
+
+def test_sparsify_and_densify_keep_training_mode_and_frozen_parameters():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    model[1].eval()
+    for converted in (snack.sparsify(model, 0.5), snack.densify(model)):
+        first, second = converted[0], converted[1]
+        assert all(not p.requires_grad for p in first.parameters())
+        assert all(p.requires_grad for p in second.parameters())
+        assert converted.training and first.training and not second.training
+
+
+# ---------------------------------------------------------------------- state_dict formats and partial loads
+
+
+def test_the_state_dict_holds_only_tensors_and_round_trips_through_safetensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")  # a dev dependency
+    model = snack.sparsify(nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3)), 0.6)
+    state = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    safetensors_torch.save_file(state, tmp_path / "model.safetensors")
+    other = snack.sparsify(nn.Sequential(nn.Linear(12, 10), nn.ReLU(), nn.Linear(10, 3)), 0.9)
+    other.load_state_dict(safetensors_torch.load_file(tmp_path / "model.safetensors"))
+    x = torch.randn(4, 12)
+    torch.testing.assert_close(other(x), model(x))
+
+
+def test_a_state_dict_of_the_first_format_still_loads_and_is_shape_checked():
+    layer, other = make_layer(7, 9, 0.5, seed=0), make_layer(7, 9, 0.2, seed=1)
+    state = other.state_dict()
+    state["_extra_state"] = {"version": 1, "shape": (7, 9)}
+    layer.load_state_dict(state)
+    assert torch.equal(layer.indices(), other.indices())
+    state["_extra_state"] = {"version": 1, "shape": (7, 10)}
+    with pytest.raises(RuntimeError, match=r"the state_dict is of a \(7, 10\) layer, this layer is \(7, 9\)"):
+        layer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_state_dict_without_the_shape_check_loads(strict):
+    layer, other = make_layer(7, 9, 0.5, seed=0), make_layer(7, 9, 0.2, seed=1)
+    state = other.state_dict()
+    del state["_extra_state"]
+    assert layer.load_state_dict(state, strict=strict) == ([], [])
+    assert torch.equal(layer.indices(), other.indices())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("dropped", ["values", "col"])
+def test_part_of_a_topology_is_missing_and_leaves_the_layer_untouched(strict, dropped):
+    layer, other = make_layer(7, 9, 0.5, seed=0), make_layer(7, 9, 0.2, seed=1)
+    before = copy.deepcopy(layer.state_dict())
+    state = other.state_dict()
+    del state[dropped]
+    if strict:
+        with pytest.raises(RuntimeError, match=f'Missing key.*"{dropped}"'):
+            layer.load_state_dict(state)
+    else:
+        assert layer.load_state_dict(state, strict=False).missing_keys == [dropped]
+    after = layer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_state_dict_with_assign_keeps_int32_coordinates():
+    layer, other = make_layer(7, 9, 0.5, seed=0), make_layer(7, 9, 0.2, seed=1)
+    state = {k: v.long() if k in ("row", "col") else v for k, v in other.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    assert layer.row.dtype == layer.col.dtype == torch.int32
+    torch.testing.assert_close(layer(torch.randn(2, 9, dtype=torch.float64)).shape, torch.Size([2, 7]))
+
+
+# ---------------------------------------------------------------------- construction arguments
+
+
+def test_numpy_sizes_and_sparsity_are_accepted():
+    np = pytest.importorskip("numpy")
+    layer = SparseLinear(np.int64(6), np.int32(4), sparsity=np.float32(0.5))
+    assert (layer.in_features, layer.out_features, layer.nnz) == (6, 4, 12)
+    assert type(layer.in_features) is int
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(dtype=torch.complex64), TypeError, "dtype must be a floating dtype, got torch.complex64"),
+        (dict(dtype=torch.int32), TypeError, "dtype must be a floating dtype"),
+        (dict(device="meta"), NotImplementedError, "cannot be built on the meta device"),
+    ],
+)
+def test_unsupported_dtypes_and_devices_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SparseLinear(8, 4, **kwargs)
+
+
+def test_a_layer_too_large_for_int32_indices_fails_before_drawing_its_topology():
+    with pytest.raises(ValueError, match=r"would have 2250000000 connections; snack's int32 indices hold at most"):
+        SparseLinear(50_000, 50_000, sparsity=0.1)

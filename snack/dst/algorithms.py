@@ -299,7 +299,8 @@ class RigL(_DropGrow):
         if recorded is None:
             raise RuntimeError(
                 f"RigL update at step {step}: no gradient was recorded for layer {name!r}; run the forward and "
-                "backward of the step through the model between dst.step() calls"
+                "backward of the step through the model between dst.step() calls (a model compiled with "
+                "torch.compile(fullgraph=True) does not run RigL's recording hooks: compile it without fullgraph)"
             )
         x, dy = recorded
         drop = magnitude_drop(layer.values, k)
