@@ -333,7 +333,10 @@ def _saved_shape(extra, default: tuple[int, int]) -> tuple[int, ...]:
 
 
 def _version(tensor: Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
 
 
 def _buffers_key(row: Tensor, col: Tensor) -> tuple:
