@@ -286,7 +286,7 @@ class SparseLinear(nn.Module):
             state_dict = {**state_dict, keys["_extra_state"]: self.get_extra_state()}
         expected_shape = (self.out_features, self.in_features)
         try:
-            saved_shape = _saved_shape(state_dict.get(keys["_extra_state"]), expected_shape)
+            saved_shape = _saved_shape(state_dict[keys["_extra_state"]])
             if saved_shape != expected_shape:
                 raise ValueError(f"the state_dict is of a {saved_shape} layer, this layer is {expected_shape}")
             row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
@@ -320,11 +320,9 @@ class SparseLinear(nn.Module):
         super().__setstate__(state)
 
 
-def _saved_shape(extra, default: tuple[int, int]) -> tuple[int, ...]:
-    """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2), a
-    ``{"version": 1, "shape": ...}`` dict (format 1), or ``default`` when there is none."""
-    if extra is None:
-        return default
+def _saved_shape(extra) -> tuple[int, ...]:
+    """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2) or a
+    ``{"version": 1, "shape": ...}`` dict (format 1)."""
     if isinstance(extra, Tensor) and extra.shape == (3,):
         return tuple(int(v) for v in extra[1:])
     if isinstance(extra, dict) and "shape" in extra:

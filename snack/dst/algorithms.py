@@ -323,8 +323,8 @@ class GradualPruning(DynamicSparsity):
     ERK) is kept, and the overall sparsity is ``s_t``. ``s_t`` follows
     :func:`snack.dst.schedules.cubic_sparsity` from ``initial_sparsity`` (default: ``s_0``) to
     ``final_sparsity``; while ``s_t < s_0`` nothing is pruned. Nothing grows; the optimizer
-    state of survivors is kept. Start from ``sparsify(model, 0.0)`` for
-    dense-to-sparse training, or e.g. 0.5 → 0.9.
+    state of survivors is kept. Start from ``sparsify(model, 0.0)`` for dense-to-sparse
+    training, or e.g. 0.5 → 0.9.
     """
 
     def __init__(

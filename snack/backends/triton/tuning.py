@@ -42,8 +42,8 @@ import triton
 from snack.backends.triton import kernels
 
 __all__ = [
-    "AUTOTUNE", "COMPILED_LAUNCH", "CONFIGS", "FIXED_CONFIGS", "INTERPRETED", "PATCH_CONFIGS", "PICKED", "TILE_CONFIGS", "TUNED",
-    "launch", "tile_configs_for",
+    "AUTOTUNE", "COMPILED_LAUNCH", "CONFIGS", "FIXED_CONFIGS", "INTERPRETED", "PATCH_CONFIGS", "PICKED",
+    "TILE_CONFIGS", "TUNED", "launch", "tile_configs_for",
 ]  # fmt: skip
 
 # triton.jit returns an interpreter-backed function when TRITON_INTERPRET=1 was set at import.
