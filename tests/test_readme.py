@@ -1,0 +1,49 @@
+"""The README's Python examples run as written (given the few names they leave to the reader)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import snack
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+
+
+def _block(first_line: str) -> str:
+    found = [block for block in _python_blocks() if block.splitlines()[0].startswith(first_line)]
+    assert len(found) == 1, f"the README has {len(found)} Python blocks starting with {first_line!r}"
+    return found[0]
+
+
+def test_quick_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it saves sparse.pt
+    namespace: dict = {}
+    exec(_block("import torch, snack"), namespace)
+    layer, model = namespace["layer"], namespace["model"]
+    assert layer.nnz == 20_070 and layer.values.grad.shape == (20_070,)  # the comments' figures
+    loaded = torch.load(tmp_path / "sparse.pt")
+    assert loaded.keys() == model.state_dict().keys()
+
+
+def test_dynamic_sparse_training_example():
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
+    namespace = {
+        "torch": torch, "snack": snack, "T": len(data), "data": data,
+        "net": nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+        "loss_fn": nn.functional.cross_entropy,
+    }  # fmt: skip
+    code = _block("model = snack.sparsify(net")
+    assert "update_every=100" in code
+    exec(code.replace("update_every=100", "update_every=2"), namespace)  # updates within 6 steps
+    assert namespace["dst"].step_count == len(data)
+    assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
