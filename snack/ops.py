@@ -79,6 +79,7 @@ def _device_kernel(op_name: str):
 def _linear_kernel(x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
     """``x·Wᵀ + bias`` on the device's backend, which adds the bias in its spmm kernel, for
     inputs that :func:`sparse_linear` (or :class:`snack.SparseLinear`) has checked."""
+    bias = bias.contiguous() if bias is not None else None  # e.g. an expanded one, as nn.Linear takes
     return backends.resolve(x.device).spmm(x.contiguous(), values.contiguous(), topo, bias)
 
 

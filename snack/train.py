@@ -213,6 +213,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"snack train: --drop-fraction must be in [0, 1], got {args.drop_fraction}")
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"snack train: --limit must be >= 1, got {args.limit}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"snack train: --lr must be a positive finite number, got {args.lr}")
+    if not 0 <= args.seed < 2**63:
+        raise SystemExit(f"snack train: --seed must be in [0, 2**63), got {args.seed}")
 
 
 def run(args: argparse.Namespace) -> int:

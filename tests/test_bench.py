@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from snack.bench import Machine, cli
 from snack.bench.roofline import sparse_bound
 from snack.bench.timing import Timer
 from snack.bench.variants import build_variants
+from snack import cli as snack_cli
 from snack.cli import build_parser
 
 VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
@@ -113,11 +115,45 @@ def test_roofline_bound():
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [["--sizes", "4096"], ["--sizes", "0x5"], ["--sparsity", "1.0"], ["--batch", "0"], ["--device", "tpu"]],
+    "argv, message",
+    [
+        (["--sizes", "4096"], "size must look like OUTxIN"),
+        (["--sizes", "0x5"], r"each side must be in \[1, 2147483647\], got '0x5'"),
+        (["--sizes", "99999999999x4"], "each side must be in"),
+        (["--sparsity", "1.0"], r"sparsity must be in \[0, 1\)"),
+        (["--batch", "0"], "must be >= 1, got 0"),
+        (["--batch", "abc"], "must be a whole number >= 1, got 'abc'"),
+        (["--device", "tpu"], "device must be cpu or cuda"),
+    ],
 )
-def test_bad_arguments_are_rejected(argv):
+def test_bad_arguments_are_rejected(argv, message, capsys):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+class _Stop(Exception):
+    """Raised in place of the measurements: these tests stop a run before it benchmarks."""
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+def test_an_unusable_output_folder_is_refused_before_benchmarking(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    afile = tmp_path / "afile"
+    afile.touch()
+    assert snack_cli.main(["bench", "--quick", "--no-progress", "--out", str(afile)]) == 2
+    assert f"snack bench: --out {str(afile)!r} is not a usable folder" in capsys.readouterr().err
+
+
+def test_quick_runs_default_to_their_own_folder(tmp_path, monkeypatch):
+    """``./dev bench --quick`` must not overwrite the committed full-grid results."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    with pytest.raises(_Stop):
+        snack_cli.main(["bench", "--quick", "--no-progress"])
+    assert (tmp_path / "benchmarks" / "quick").is_dir() and not list((tmp_path / "benchmarks").glob("*.json"))

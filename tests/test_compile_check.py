@@ -51,3 +51,13 @@ def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert compile_check.run(argparse.Namespace(arch=None, dtype=None)) == 1
     assert "TRITON_INTERPRET" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", ["9", "0", "999", "-5", "50", "8.0", "sm_90"])
+def test_unsupported_architectures_are_refused_before_compiling(arch, capsys):
+    """LLVM aborts the whole process on some (sm_9), ptxas rejects others (sm_50)."""
+    parser = argparse.ArgumentParser()
+    compile_check.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--arch", arch])
+    assert f"must be a compute capability of 75, 80, 86, 87, 89, 90, 100, 103, 120; got '{arch}'" in capsys.readouterr().err

@@ -107,6 +107,19 @@ def test_sparse_linear_paths_agree_with_dense_math(backend, batch):
     assert grads[0].requires_grad  # create_graph kept a differentiable graph
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("layout", ["expanded", "strided"])
+def test_a_non_contiguous_bias_works_as_in_nn_linear(backend, layout):
+    """``functional_call`` with such a bias, or a bias sliced from a larger tensor."""
+    topo, values, x, _ = _case()
+    bias = torch.randn(1, dtype=values.dtype).expand(9) if layout == "expanded" else torch.randn(18, dtype=values.dtype)[::2]
+    with snack.use_backend(backend):
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                y = snack.ops.sparse_linear(x.clone().requires_grad_(grad), values, topo, bias)
+            torch.testing.assert_close(y, x @ _dense(topo, values).T + bias)
+
+
 @pytest.mark.parametrize(
     "change, error, message",
     [

@@ -22,7 +22,11 @@ def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
     assert all(float(r.split("|")[2]) > 0.3 for r in rows[1:])
 
 
-@pytest.mark.parametrize("flag, value", [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2"), ("--lr", "-1"), ("--lr", "inf"),
+     ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64))],
+)  # fmt: skip
 def test_snack_train_rejects_bad_options(flag, value):
     with pytest.raises(SystemExit, match=flag):
         cli.main(["train", flag, value, "--no-progress"])

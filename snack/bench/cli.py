@@ -21,7 +21,7 @@ from snack.bench.harness import MODES, Grid, run_grid
 from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
 from snack.cli import device_argument, unavailable_device
-from snack.topology import check_sparsity
+from snack.topology import MAX_INDEX, check_sparsity
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,8 +42,8 @@ def _size(text: str) -> tuple[int, int]:
         out_features, in_features = (int(part) for part in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like OUTxIN (e.g. 4096x4096), got {text!r}") from None
-    if out_features < 1 or in_features < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    if not (0 < out_features <= MAX_INDEX and 0 < in_features <= MAX_INDEX):
+        raise argparse.ArgumentTypeError(f"each side must be in [1, {MAX_INDEX}], got {text!r}")
     return out_features, in_features
 
 
@@ -55,7 +55,10 @@ def _sparsity(text: str) -> float:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -69,10 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES), help="default: both")
     parser.add_argument("--repeats", type=_positive, help=f"interleaved samples per variant and point (default {FULL['repeats']})")
     parser.add_argument("--quick", action="store_true",
-                        help="a small grid for a check in about a minute (explicit options still override it)")
+                        help="a small grid for a check in seconds, written to benchmarks/quick unless --out is "
+                             "given (explicit options still override it)")
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--threads", type=_positive, help="CPU threads for every variant (default: torch's, all cores)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="output folder (default: benchmarks)")
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks, or benchmarks/quick with --quick)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -96,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
     defaults = QUICK if args.quick else FULL
     device = args.device
     if unavailable_device("bench", device):
+        return 2
+    # the output folder first: a bad one must not cost the whole run's results
+    out = args.out or Path("benchmarks/quick" if args.quick else "benchmarks")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"snack bench: --out {str(out)!r} is not a usable folder: {error.strerror}", file=sys.stderr)
         return 2
     grid = Grid(
         sizes=tuple(args.sizes or [_size(s) for s in defaults["sizes"]]),
@@ -136,12 +147,11 @@ def run(args: argparse.Namespace) -> int:
         "grid": {"sizes": grid.sizes, "sparsities": grid.sparsities, "batches": grid.batches, "modes": grid.modes,
                  "repeats": grid.repeats},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = device.type
-    write_json(args.out / f"{stem}_layer.json", metadata, times, memory)
-    write_csv(args.out / f"{stem}_layer.csv", times)
+    write_json(out / f"{stem}_layer.json", metadata, times, memory)
+    write_csv(out / f"{stem}_layer.csv", times)
     title = f"{metadata['machine']} — {metadata['date']}"
-    write_plot(args.out / f"{stem}_speedup.png", times, title)
+    write_plot(out / f"{stem}_speedup.png", times, title)
 
     print(f"\n{metadata['date']} · {metadata['machine']} · `{command}`")
     print(f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
@@ -149,5 +159,5 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(times))
     print("\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n")
     print(format_memory(memory))
-    print(f"\nwrote {args.out / (stem + '_layer.json')}, .csv and {args.out / (stem + '_speedup.png')}", file=sys.stderr)
+    print(f"\nwrote {out / (stem + '_layer.json')}, .csv and {out / (stem + '_speedup.png')}", file=sys.stderr)
     return 0

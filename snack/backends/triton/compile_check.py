@@ -51,10 +51,26 @@ _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _BLOCK_B = 16
 
 
+# Compute capabilities Triton 3.6 compiles these kernels for (sm_75 and up; others make LLVM abort
+# the process or ptxas reject the PTX).
+ARCHS = (75, 80, 86, 87, 89, 90, 100, 103, 120)
+
+
+def _arch(text: str) -> int:
+    try:
+        arch = int(text)
+    except ValueError:
+        arch = None
+    if arch not in ARCHS:
+        raise argparse.ArgumentTypeError(f"must be a compute capability of {', '.join(map(str, ARCHS))}; got {text!r}")
+    return arch
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--arch", type=int, action="append", metavar="SM",
-        help="CUDA compute capability to compile for, e.g. 80 (A100) or 90 (H100/H200); repeatable (default: 80 and 90)",
+        "--arch", type=_arch, action="append", metavar="SM",
+        help=f"CUDA compute capability to compile for, e.g. 80 (A100) or 90 (H100/H200); one of "
+             f"{', '.join(map(str, ARCHS))}; repeatable (default: 80 and 90)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", action="append", choices=sorted(_DTYPES),
