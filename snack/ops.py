@@ -253,19 +253,27 @@ _sddmm_op.register_autograd(_sddmm_backward, setup_context=_setup)
 # ---------------------------------------------------------------- public functions
 
 
+def _topology_tensors(caller: str, topology: Topology) -> TopologyTensors:
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"{caller}: topology must be a snack.Topology (e.g. layer.topology), got {type(topology).__name__}"
+        )
+    return topology.tensors()
+
+
 def spmm(x: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``Y = X · Wᵀ`` for ``x (B, in)``; returns ``(B, out)``. Differentiable in ``x`` and ``values``."""
-    return torch.ops.snack.spmm(x, values, *topology.tensors())
+    return torch.ops.snack.spmm(x, values, *_topology_tensors("snack.ops.spmm", topology))
 
 
 def spmm_t(dy: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``dX = dY · W`` for ``dy (B, out)``; returns ``(B, in)``."""
-    return torch.ops.snack.spmm_t(dy, values, *topology.tensors())
+    return torch.ops.snack.spmm_t(dy, values, *_topology_tensors("snack.ops.spmm_t", topology))
 
 
 def sddmm(dy: Tensor, x: Tensor, topology: Topology) -> Tensor:
     """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for ``dy (B, out)``, ``x (B, in)``; returns ``(nnz,)``."""
-    return torch.ops.snack.sddmm(dy, x, *topology.tensors())
+    return torch.ops.snack.sddmm(dy, x, *_topology_tensors("snack.ops.sddmm", topology))
 
 
 class _SparseLinearFunction(torch.autograd.Function):
@@ -345,6 +353,10 @@ def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
     and device (inside ``torch.autocast``, in the region's dtype after :func:`autocast_inputs`).
     Differentiable in ``x``, ``values`` and ``bias`` (to any order).
     """
+    for name, value in (("x", x), ("values", values), ("bias", bias)):
+        if not isinstance(value, Tensor) and not (name == "bias" and value is None):
+            raise TypeError(f"snack.sparse_linear: {name} must be a Tensor, got {type(value).__name__}")
+    _topology_tensors("snack.sparse_linear", topology)
     x, values, bias = autocast_inputs(x, values, bias)
     _check_linear(x, values, topology, bias)
     return _sparse_linear(x, values, topology, bias)

@@ -107,6 +107,17 @@ def test_sparse_linear_paths_agree_with_dense_math(backend, batch):
     assert grads[0].requires_grad  # create_graph kept a differentiable graph
 
 
+def test_arguments_of_the_wrong_type_are_named():
+    topo, values, x, dy = _case()
+    for op, args in (("spmm", (x, values)), ("spmm_t", (dy, values)), ("sddmm", (dy, x))):
+        with pytest.raises(TypeError, match=f"snack.ops.{op}: topology must be a snack.Topology .*, got tuple"):
+            getattr(snack.ops, op)(*args, (topo.row, topo.col))
+    with pytest.raises(TypeError, match="snack.sparse_linear: x must be a Tensor, got ndarray"):
+        snack.ops.sparse_linear(x.numpy(), values, topo)
+    with pytest.raises(TypeError, match="snack.sparse_linear: topology must be a snack.Topology"):
+        snack.ops.sparse_linear(x, values, None)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("layout", ["expanded", "strided"])
 def test_a_non_contiguous_bias_works_as_in_nn_linear(backend, layout):
