@@ -28,6 +28,9 @@ from snack.data import Digits, load_digits
 
 __all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_models"]
 
+# DST updates stop after this fraction of the run, so the last topology gets time to settle.
+DST_STOP_FRACTION = 0.75
+
 ALGORITHMS = ("rigl", "set", "static")
 
 
@@ -125,7 +128,7 @@ class _Run:
             cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
             self.dst = cls(
                 model, self.optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
-                total_steps=total_steps, seed=args.seed,
+                total_steps=total_steps, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
             )
         self.step_seconds: list[float] = []
         self.updates = 0
@@ -156,6 +159,13 @@ def train_models(
     """
     n = len(data.y_train)
     total_steps = math.ceil(n / args.batch_size) * args.epochs
+    last_update = snack.dst.DropSchedule(0.0, 1, total_steps, DST_STOP_FRACTION, "constant").end_step
+    if any(algorithm in ("rigl", "set") for _, _, algorithm in models) and args.update_every > last_update:
+        print(
+            f"note: --update-every {args.update_every} leaves no topology update: updates stop after step "
+            f"{last_update} of {total_steps}",
+            file=sys.stderr,
+        )
     for _, model, _ in models:
         # untimed warm-up: loads kernel libraries and touches first-use memory; leaves no state
         model(data.x_train[: args.batch_size]).sum().backward()

@@ -68,3 +68,11 @@ def test_mnist_split_is_fixed_and_standardised():
     assert a.x_train.shape == (4000, 784) and a.x_test.shape == (1000, 784)
     assert sorted(a.y_test.bincount().tolist())[0] > 50  # every class is held out
     assert b.x_train.shape == (100, 784) and a.y_test.equal(b.y_test)
+
+
+def test_snack_train_says_when_no_topology_update_would_happen(capsys):
+    # 64 examples in batches of 64: 1 step, and updates every 50 (the README's quick run)
+    assert cli.main(["train", "--width", "16", "--epochs", "1", "--limit", "64", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --update-every 50 leaves no topology update: updates stop after step 0 of 1" in captured.err
+    assert "(1 steps, 0 topology updates)" in captured.out
