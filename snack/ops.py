@@ -253,11 +253,15 @@ _sddmm_op.register_autograd(_sddmm_backward, setup_context=_setup)
 # ---------------------------------------------------------------- public functions
 
 
-def _topology_tensors(caller: str, topology: Topology) -> TopologyTensors:
+def _check_topology(caller: str, topology) -> None:
     if not isinstance(topology, Topology):
         raise TypeError(
             f"{caller}: topology must be a snack.Topology (e.g. layer.topology), got {type(topology).__name__}"
         )
+
+
+def _topology_tensors(caller: str, topology: Topology) -> TopologyTensors:
+    _check_topology(caller, topology)
     return topology.tensors()
 
 
@@ -356,7 +360,7 @@ def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
     for name, value in (("x", x), ("values", values), ("bias", bias)):
         if not isinstance(value, Tensor) and not (name == "bias" and value is None):
             raise TypeError(f"snack.sparse_linear: {name} must be a Tensor, got {type(value).__name__}")
-    _topology_tensors("snack.sparse_linear", topology)
+    _check_topology("snack.sparse_linear", topology)
     x, values, bias = autocast_inputs(x, values, bias)
     _check_linear(x, values, topology, bias)
     return _sparse_linear(x, values, topology, bias)
