@@ -123,7 +123,10 @@ def test_arguments_of_the_wrong_type_are_named():
 def test_a_non_contiguous_bias_works_as_in_nn_linear(backend, layout):
     """``functional_call`` with such a bias, or a bias sliced from a larger tensor."""
     topo, values, x, _ = _case()
-    bias = torch.randn(1, dtype=values.dtype).expand(9) if layout == "expanded" else torch.randn(18, dtype=values.dtype)[::2]
+    if layout == "expanded":
+        bias = torch.randn(1, dtype=values.dtype).expand(9)
+    else:
+        bias = torch.randn(18, dtype=values.dtype)[::2]
     with snack.use_backend(backend):
         for grad in (False, True):
             with torch.set_grad_enabled(grad):
