@@ -63,11 +63,7 @@ class SparseLinear(nn.Module):
         sparsity = check_sparsity(sparsity)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
-        if torch.empty(0, device=device).device.type == "meta":
-            raise NotImplementedError(
-                "SparseLinear cannot be built on the meta device: its topology is drawn when it is built. "
-                "Build it on a real device (or sparsify the model after materialising it)."
-            )
+        _reject_meta(torch.empty(0, device=device).device)
         row, col = random_coo(out_features, in_features, sparsity, device=device)
         values = torch.empty(row.numel(), device=device, dtype=dtype)
         bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
@@ -116,6 +112,7 @@ class SparseLinear(nn.Module):
             weight = linear_or_weight
         else:
             raise TypeError(f"linear_or_weight must be an nn.Linear or a Tensor, got {type(linear_or_weight).__name__}")
+        _reject_meta(weight.device)
         row, col, values = coo_from_dense(weight, sparsity)
         out_features, in_features = weight.shape
         bias = _copied_bias(bias, out_features, weight.dtype)
@@ -140,6 +137,9 @@ class SparseLinear(nn.Module):
             bias: optional ``(out_features,)`` bias.
         """
         out_features, in_features = shape
+        for tensor in (row, col, values):
+            if isinstance(tensor, Tensor):
+                _reject_meta(tensor.device)
         validate_coo(row, col, (out_features, in_features), require_sorted=False)
         _check_values(values, row)
         row, col, values = sort_coo(row, col, in_features, values.detach().clone())
@@ -320,6 +320,17 @@ class SparseLinear(nn.Module):
         super().__setstate__(state)
 
 
+def _reject_meta(device: torch.device) -> None:
+    """Raise for the meta device: a topology is data (drawn, or picked by magnitude), which a
+    meta tensor has none of, and ``to_empty`` would leave garbage coordinates."""
+    if device.type == "meta":
+        raise NotImplementedError(
+            "SparseLinear cannot be built on the meta device: its topology is drawn (or picked from the dense "
+            "weights) when it is built. Build it on a real device, or sparsify the model after materialising it "
+            "(to_empty + reset_parameters, or loading its weights)."
+        )
+
+
 def _saved_shape(extra) -> tuple[int, ...]:
     """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2) or a
     ``{"version": 1, "shape": ...}`` dict (format 1)."""
@@ -360,6 +371,9 @@ def _replace_data(param: nn.Parameter, data: Tensor) -> None:
         if data.shape != param.shape:
             param.data = data.to(torch.float32 if data.dtype == torch.float64 else torch.float64)
         param.data = data
+    # assigning .data keeps the version counter: bump it, so a graph recorded with the old
+    # connections fails its saved-tensor check instead of back-propagating into the new ones
+    torch.autograd.graph.increment_version(param)
     param.grad = None
 
 

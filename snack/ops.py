@@ -265,19 +265,35 @@ def _topology_tensors(caller: str, topology: Topology) -> TopologyTensors:
     return topology.tensors()
 
 
+# The three public ops, like torch.mm, run in the region's dtype inside torch.autocast (float64
+# excepted): their arguments are cast first. (torch.library.register_autocast would fix one dtype
+# at registration; autocast regions choose theirs.)
+
+
 def spmm(x: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``Y = X · Wᵀ`` for ``x (B, in)``; returns ``(B, out)``. Differentiable in ``x`` and ``values``."""
-    return torch.ops.snack.spmm(x, values, *_topology_tensors("snack.ops.spmm", topology))
+    tensors = _topology_tensors("snack.ops.spmm", topology)
+    return torch.ops.snack.spmm(*_autocast_pair(x, values), *tensors)
 
 
 def spmm_t(dy: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``dX = dY · W`` for ``dy (B, out)``; returns ``(B, in)``."""
-    return torch.ops.snack.spmm_t(dy, values, *_topology_tensors("snack.ops.spmm_t", topology))
+    tensors = _topology_tensors("snack.ops.spmm_t", topology)
+    return torch.ops.snack.spmm_t(*_autocast_pair(dy, values), *tensors)
 
 
 def sddmm(dy: Tensor, x: Tensor, topology: Topology) -> Tensor:
     """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for ``dy (B, out)``, ``x (B, in)``; returns ``(nnz,)``."""
-    return torch.ops.snack.sddmm(dy, x, *_topology_tensors("snack.ops.sddmm", topology))
+    tensors = _topology_tensors("snack.ops.sddmm", topology)
+    return torch.ops.snack.sddmm(*_autocast_pair(dy, x), *tensors)
+
+
+def _autocast_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_autocast` for an op's two dense arguments, on ``a``'s device (non-Tensors pass
+    through, for the op's own type error)."""
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)):
+        return a, b
+    return _autocast(a.device.type, a, b)
 
 
 class _SparseLinearFunction(torch.autograd.Function):
@@ -295,8 +311,10 @@ class _SparseLinearFunction(torch.autograd.Function):
     # through inspect.signature on every call (~40 µs)
     @staticmethod
     def forward(ctx, x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
-        need_x, need_values = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x if need_values else None, values if need_x else None)
+        # values is saved even when dx is not needed: its version check makes a backward through
+        # a graph recorded before the layer's connections changed (set_topology, load_state_dict)
+        # raise, rather than give the new connections the old ones' gradients
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values)
         ctx.topo = topo
         return _linear_kernel(x, values, bias, topo)
 
@@ -339,15 +357,18 @@ def autocast_inputs(x: Tensor, values: Tensor, bias: Tensor | None) -> tuple[Ten
     region for ``x``'s device, every floating tensor but float64 in the region's dtype (a cast
     of ``values`` is ``(nnz,)``; its gradient flows back to the full-precision ``values``);
     outside one, unchanged."""
-    device_type = x.device.type
+    return _autocast(x.device.type, x, values, bias)
+
+
+def _autocast(device_type: str, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``tensors``, each floating one but float64 in the autocast dtype of ``device_type`` when
+    an autocast region for it is active; unchanged otherwise (and ``None`` stays ``None``)."""
     if not torch.is_autocast_enabled(device_type):
-        return x, values, bias
+        return tensors
     dtype = torch.get_autocast_dtype(device_type)
-
-    def cast(t: Tensor | None) -> Tensor | None:
-        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-
-    return cast(x), cast(values), cast(bias)
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors
+    )
 
 
 def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None = None) -> Tensor:

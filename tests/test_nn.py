@@ -220,6 +220,23 @@ def test_changing_nnz_while_an_old_graph_is_alive():
     assert old_loss.grad_fn is not None
 
 
+@pytest.mark.parametrize("change", ["set_topology", "load_state_dict"])
+def test_backward_through_a_graph_from_before_the_connections_changed_raises(change):
+    # the input needs no gradient, so only dvalues is computed: without the saved values' version
+    # check it would silently land on the new connections (same nnz, other positions)
+    torch.manual_seed(0)
+    layer, other = (SparseLinear(5, 6, sparsity=0.5, dtype=torch.float64) for _ in range(2))
+    assert layer.nnz == other.nnz and not torch.equal(layer.col, other.col)
+    loss = layer(torch.randn(3, 5, dtype=torch.float64)).sum()
+    if change == "set_topology":
+        layer.set_topology(other.row, other.col)
+    else:
+        layer.load_state_dict(other.state_dict())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert layer.values.grad is None
+
+
 # ---------------------------------------------------------------------- serialisation and moves
 
 
@@ -594,3 +611,19 @@ def test_unsupported_dtypes_and_devices_fail_at_construction(kwargs, error, matc
 def test_a_layer_too_large_for_int32_indices_fails_before_drawing_its_topology():
     with pytest.raises(ValueError, match=r"would have 2250000000 connections; snack's int32 indices hold at most"):
         SparseLinear(50_000, 50_000, sparsity=0.1)
+
+
+def test_meta_device_layers_are_refused_by_every_constructor_and_sparsify():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    meta = "cannot be built on the meta device"
+    with pytest.raises(NotImplementedError, match=meta):
+        snack.sparsify(model, 0.5)
+    assert all(type(model[i]) is nn.Linear for i in (0, 2))  # nothing was replaced
+    with pytest.raises(NotImplementedError, match=meta):
+        snack.sparsify(model, 0.5, init="random")
+    with pytest.raises(NotImplementedError, match=meta):
+        SparseLinear.from_dense(model[0], sparsity=0.5)
+    row = torch.tensor([0, 1], dtype=torch.int32, device="meta")
+    with pytest.raises(NotImplementedError, match=meta):
+        SparseLinear.from_coo(row, row, torch.ones(2, device="meta"), (2, 2))

@@ -39,6 +39,21 @@ def test_ops_match_dense_math():
 
 
 @pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm"])
+def test_ops_run_in_the_autocast_dtype_like_torch_mm(op):
+    topo, values, x, dy = _case(dtype=torch.float32)
+    args = {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x)}[op]
+    expected = getattr(snack.ops, op)(*(a.bfloat16() for a in args), topo)
+    leaf = args[1].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = getattr(snack.ops, op)(args[0], leaf, topo)
+        assert (args[0] @ args[0].T).dtype == out.dtype == torch.bfloat16
+        assert getattr(snack.ops, op)(*(a.double() for a in args), topo).dtype == torch.float64  # left alone
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert leaf.grad.dtype == torch.float32  # the gradient reaches the full-precision argument
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm"])
 @pytest.mark.parametrize("sparsity", [0.0, 0.6, 0.95])
 def test_opcheck(op, sparsity):
     topo, values, x, dy = _case(sparsity=sparsity)
