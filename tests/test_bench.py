@@ -25,7 +25,7 @@ VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
 def bench_output(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     args = build_parser().parse_args(
-        ["bench", "--sizes", "64x96", "--sparsity", "0.9", "--batch", "1", "4", "--repeats", "2", "--out", str(out),
+        ["bench", "--sizes", "64x96", "--sparsity", "0.9", "--batch", "1", "4", "1", "--repeats", "2", "--out", str(out),
          "--no-progress"]
     )
     assert args._run(args) == 0
@@ -40,8 +40,10 @@ def test_json_is_complete(bench_output):
     assert document["backend"] == "cpu"
     assert document["bandwidth_bytes_per_s"] > 0 and document["peak_flops_per_s"] > 0
     times = document["times"]
-    # 1 size × 1 sparsity × 2 batches × 2 modes, 4 variants each
+    # 1 size × 1 sparsity × 2 batches (1 was asked twice) × 2 modes, 4 variants each
     assert len(times) == 2 * 2 * 4
+    # the real sparsity, not the requested 0.9: 614 of 6144 connections
+    assert {t["sparsity"] for t in times} == {m["sparsity"] for m in document["memory"]} == {0.900065}
     assert {t["variant"] for t in times} == VARIANT_NAMES
     for t in times:
         assert t["q25_ms"] <= t["median_ms"] <= t["q75_ms"]
@@ -157,3 +159,13 @@ def test_quick_runs_default_to_their_own_folder(tmp_path, monkeypatch):
     with pytest.raises(_Stop):
         snack_cli.main(["bench", "--quick", "--no-progress"])
     assert (tmp_path / "benchmarks" / "quick").is_dir() and not list((tmp_path / "benchmarks").glob("*.json"))
+
+
+def test_more_threads_than_cores_get_a_warning(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # keep this process's setting
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with pytest.raises(_Stop):
+        snack_cli.main(["bench", "--quick", "--no-progress", "--threads", "3"])
+    assert "--threads 3 is more than the 2 cores this process may use" in capsys.readouterr().err

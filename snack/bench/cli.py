@@ -64,6 +64,10 @@ def _positive(text: str) -> int:
     return value
 
 
+def _unique(values) -> tuple:
+    return tuple(dict.fromkeys(values))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", nargs="+", type=_size, metavar="OUTxIN",
                         help=f"weight shapes, out_features x in_features (default: {' '.join(FULL['sizes'])})")
@@ -108,14 +112,18 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"snack bench: --out {str(out)!r} is not a usable folder: {error.strerror}", file=sys.stderr)
         return 2
-    grid = Grid(
-        sizes=tuple(args.sizes or [_size(s) for s in defaults["sizes"]]),
-        sparsities=tuple(args.sparsity or defaults["sparsity"]),
-        batches=tuple(args.batch or defaults["batch"]),
-        modes=tuple(args.mode),
+    grid = Grid(  # each value once, in the order given
+        sizes=_unique(args.sizes or [_size(s) for s in defaults["sizes"]]),
+        sparsities=_unique(args.sparsity or defaults["sparsity"]),
+        batches=_unique(args.batch or defaults["batch"]),
+        modes=_unique(args.mode),
         repeats=args.repeats or defaults["repeats"],
     )
     if args.threads:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cores and args.threads > cores:
+            print(f"snack bench: warning: --threads {args.threads} is more than the {cores} cores this process may "
+                  "use; threads will share cores and the timings will show it", file=sys.stderr)
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
