@@ -14,7 +14,7 @@ gradient is ever built. Usage::
 Modules: :mod:`~snack.dst.prune_grow` (drop/grow primitives), :mod:`~snack.dst.update` (the
 generic update), :mod:`~snack.dst.optim_state` (optimizer state remap),
 :mod:`~snack.dst.schedules`, :mod:`~snack.dst.capture` (X/dY hooks for RigL),
-:mod:`~snack.dst.algorithms`.
+:mod:`~snack.dst.algorithms`, :mod:`~snack.dst.distributed` (several ranks, DDP).
 """
 
 from snack.dst.algorithms import SET, DynamicSparsity, GradualPruning, RigL

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from snack.dst import distributed
 from snack.dst.capture import GradientCapture
 from snack.dst.optim_state import check_optimizer, check_state
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
@@ -87,11 +88,16 @@ class DynamicSparsity:
     Subclasses implement ``_is_update_step(t)`` and ``_plan(t, index, name, layer)`` → ``(drop,
     grow, grow_values)`` for one layer, without side effects except drawing from
     ``self.generator``.
+
+    On several ranks (``torch.distributed`` initialized, e.g. under DDP) every rank must build it
+    with the same arguments on the same model (checked here), and call :meth:`step` on the same
+    steps; every rank then applies rank 0's update (:mod:`snack.dst.distributed`).
+    ``process_group`` picks the ranks that share the topology (default: all).
     """
 
     _needs_gradient = False
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int, process_group=None):
         self.layers = _find_layers(model, layers)
         check_optimizer(optimizer, {name: layer.values for name, layer in self.layers})
         self.optimizer = optimizer
@@ -99,6 +105,9 @@ class DynamicSparsity:
         self.generator = torch.Generator().manual_seed(seed)
         self.step_count = 0
         self._capture = GradientCapture([layer for _, layer in self.layers]) if self._needs_gradient else None
+        self._group = distributed.resolve_group(process_group)
+        if self._group is not None:
+            distributed.check_same_on_every_rank(self._set_up(), self._group)
 
     # -------------------------------------------------------------- public
 
@@ -148,6 +157,17 @@ class DynamicSparsity:
     def _config(self) -> dict:
         raise NotImplementedError
 
+    def _set_up(self) -> dict:
+        """What must agree between ranks: algorithm, configuration, seed, each layer's topology."""
+        return {
+            "algorithm": type(self).__name__, "config": self._config(), "seed": self.seed,
+            "layers": [
+                (name, layer.out_features, layer.in_features, layer.nnz,
+                 distributed.topology_fingerprint(layer.row, layer.col, layer.in_features))
+                for name, layer in self.layers
+            ],
+        }
+
     def _is_update_step(self, step: int) -> bool:
         raise NotImplementedError
 
@@ -171,12 +191,14 @@ class DynamicSparsity:
             check_state(self.optimizer, layer.values, name)
         rng_state = self.generator.get_state()
         try:
-            rewirings = []
-            for i, (name, layer) in enumerate(self.layers):
-                drop, grow, grow_values = self._plan(step, i, name, layer)
-                if drop.numel() or grow.numel():
-                    plan = plan_rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
-                    rewirings.append(plan)
+            choices = [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]
+            if self._group is not None:
+                choices = distributed.broadcast_choices(choices, self.layers[0][1].values.device, self._group)
+            rewirings = [
+                plan_rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
+                for (name, layer), (drop, grow, grow_values) in zip(self.layers, choices)
+                if drop.numel() or grow.numel()
+            ]
         except BaseException:
             self.generator.set_state(rng_state)
             raise
@@ -201,6 +223,7 @@ class _DropGrow(DynamicSparsity):
         grow_init: str = "zero",
         layers: Iterable[str | SparseLinear] | None = None,
         seed: int = 0,
+        process_group=None,
     ):
         drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         update_every = _check_int(update_every, "update_every", 1)
@@ -212,7 +235,7 @@ class _DropGrow(DynamicSparsity):
             raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
         self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)
         self.grow_init = grow_init
-        super().__init__(model, optimizer, layers=layers, seed=seed)
+        super().__init__(model, optimizer, layers=layers, seed=seed, process_group=process_group)
         self._arm()
 
     def _config(self) -> dict:
@@ -255,6 +278,8 @@ class SET(_DropGrow):
         grow_init: ``"zero"`` (new weights start at 0) or ``"random"`` (the layer's init).
         layers: names or modules of the layers to act on (default: every ``SparseLinear``).
         seed: seeds the RNG of the random growth.
+        process_group: the ranks that train this model together (default: all, when
+            ``torch.distributed`` is initialized); see :class:`DynamicSparsity`.
     """
 
     def __init__(self, model, optimizer, *, split_sign: bool = False, **kwargs):
@@ -286,16 +311,19 @@ class RigL(_DropGrow):
     of that forward, before the optimizer step, like the dense gradient RigL reads.
 
     Arguments as :class:`SET` (without ``split_sign``). An update step whose training step ran
-    no forward/backward through a layer raises ``RuntimeError``.
+    no forward/backward through a layer raises ``RuntimeError``. On several ranks the records of
+    every rank are gathered first, so growth follows the gradient of the global batch, as
+    DDP's averaged gradient does (each rank then holds all ranks' records during the update).
     """
 
     _needs_gradient = True
+    _batches: tuple = ()  # per layer, during an update: what _recorded returned
 
     def _plan(self, step, index, name, layer):
         k = self._count(step, layer)
         if k == 0:
             return _EMPTY, _EMPTY, None
-        recorded = self._capture.batch(index)
+        recorded = self._batches[index]
         if recorded is None:
             raise RuntimeError(
                 f"RigL update at step {step}: no gradient was recorded for layer {name!r}; run the forward and "
@@ -308,9 +336,25 @@ class RigL(_DropGrow):
         return drop, grow, self._grow_values(layer, k)
 
     def _update(self, step: int) -> bool:
-        changed = super()._update(step)
+        self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
+        try:
+            changed = super()._update(step)
+        finally:
+            self._batches = ()
         self._capture.clear()
         return changed
+
+    def _recorded(self, step: int, index: int, layer: SparseLinear) -> tuple[Tensor, Tensor] | None:
+        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, from every rank."""
+        recorded = self._capture.batch(index)
+        if self._group is None or self._count(step, layer) == 0:
+            return recorded
+        values = layer.values
+        x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
+                                                        values.new_empty(0, layer.out_features))
+        x = distributed.gather_rows(x.to(values.dtype), self._group)
+        dy = distributed.gather_rows(dy.to(values.dtype), self._group)
+        return (x, dy) if x.shape[0] else None
 
 
 class GradualPruning(DynamicSparsity):
@@ -339,6 +383,7 @@ class GradualPruning(DynamicSparsity):
         initial_sparsity: float | None = None,
         layers: Iterable[str | SparseLinear] | None = None,
         seed: int = 0,
+        process_group=None,
     ):
         final_sparsity = check_sparsity(final_sparsity, "final_sparsity")
         start_step = _check_int(start_step, "start_step", 0)
@@ -354,7 +399,7 @@ class GradualPruning(DynamicSparsity):
             raise ValueError(f"final_sparsity ({final_sparsity}) must be >= initial_sparsity ({initial_sparsity})")
         self.initial_sparsity, self.final_sparsity = initial_sparsity, final_sparsity
         self.start_step, self.end_step, self.update_every = start_step, end_step, update_every
-        super().__init__(model, optimizer, layers=layers, seed=seed)
+        super().__init__(model, optimizer, layers=layers, seed=seed, process_group=process_group)
         # densities at the start, which the schedule scales down
         self.initial_nnz = [layer.nnz for _, layer in self.layers]
 

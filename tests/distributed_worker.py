@@ -1,0 +1,113 @@
+"""Two gloo ranks on this CPU running dynamic sparse training under DDP, for test_dst_distributed.
+
+``python distributed_worker.py OUT_DIR`` spawns the ranks; each runs every scenario below and
+saves what it saw to ``OUT_DIR/rank<r>.pt``, which the tests compare with each other and with a
+single-process run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import snack
+
+WORLD = 2
+STEPS = 6
+LOCAL_BATCH = 8
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 5)).double()
+    return snack.sparsify(net, 0.7, init="random")
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``step``: ``WORLD · LOCAL_BATCH`` rows, rank ``r`` trains on the ``r``-th slice."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    rows = WORLD * LOCAL_BATCH
+    return torch.randn(rows, 12, generator=generator, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=generator)
+
+
+def rigl(net: nn.Module, optimizer):
+    return snack.dst.RigL(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10)
+
+
+def pruning(net: nn.Module, optimizer):
+    return snack.dst.GradualPruning(net, optimizer, final_sparsity=0.9, start_step=2, end_step=4, update_every=1)
+
+
+ALGORITHMS = {"rigl": rigl, "pruning": pruning}
+
+
+def layers_state(net: nn.Module) -> list[dict]:
+    return [{"row": m.row.clone(), "col": m.col.clone(), "values": m.values.detach().clone()}
+            for m in net.modules() if isinstance(m, snack.SparseLinear)]
+
+
+def train_under_ddp(rank: int, algorithm: str) -> list[dict]:
+    """``algorithm`` on a DDP model, each rank on its slice of the global batches."""
+    net = model()
+    ddp = DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    dst = ALGORITHMS[algorithm](net, optimizer)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        if rank == 1 and step == 1:
+            mine = slice(mine.start, mine.start + 3)  # an uneven batch on an update step
+        loss = nn.functional.cross_entropy(ddp(x[mine]), y[mine])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if dst.step() and algorithm == "pruning":
+            ddp = DistributedDataParallel(net)  # DDP's gradient buckets have the old sizes
+    return layers_state(net)
+
+
+def different_seeds(rank: int) -> str:
+    net = model()
+    try:
+        snack.dst.SET(net, torch.optim.SGD(net.parameters(), lr=0.1), total_steps=10, seed=rank)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def rank_zero_decides(rank: int) -> list[dict]:
+    """SET without DDP, rank 1's weights scaled so its own magnitude drop would differ."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    dst = snack.dst.SET(net, optimizer, drop_fraction=0.5, update_every=1, total_steps=10, schedule="constant")
+    if rank == 1:
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(m, snack.SparseLinear):
+                    m.values.copy_(m.values.flip(0))
+    assert dst.step()
+    return layers_state(net)
+
+
+def run_rank(rank: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=WORLD)
+    try:
+        results = {
+            **{f"{name}_under_ddp": train_under_ddp(rank, name) for name in ALGORITHMS},
+            "different_seeds": different_seeds(rank),
+            "rank_zero_decides": rank_zero_decides(rank),
+        }
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run_rank, args=(Path(sys.argv[1]),), nprocs=WORLD)

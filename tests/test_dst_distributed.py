@@ -1,0 +1,76 @@
+"""Dynamic sparse training on two ranks (gloo, CPU): the ranks keep one topology, and RigL under
+DDP grows exactly as one process training on the whole batch does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distributed_worker as worker
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("distributed")
+    done = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(worker.WORLD)]
+
+
+def _assert_same_topologies(a: list[dict], b: list[dict]) -> None:
+    for layer_a, layer_b in zip(a, b, strict=True):
+        assert torch.equal(layer_a["row"], layer_b["row"]) and torch.equal(layer_a["col"], layer_b["col"])
+
+
+def _single_process(algorithm: str) -> list[dict]:
+    """The same training in one process on the whole batch (minus what rank 1 skipped)."""
+    net = worker.model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    dst = worker.ALGORITHMS[algorithm](net, optimizer)
+    for step in range(worker.STEPS):
+        x, y = worker.global_batch(step)
+        if step == 1:  # rank 1 trained on 3 of its 8 rows: DDP averages the two ranks' mean losses
+            parts = [slice(0, 8), slice(8, 11)]
+            loss = sum(nn.functional.cross_entropy(net(x[p]), y[p]) for p in parts) / 2
+        else:
+            loss = nn.functional.cross_entropy(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        dst.step()
+    return worker.layers_state(net)
+
+
+@pytest.mark.parametrize("algorithm", sorted(worker.ALGORITHMS))
+def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(ranks, algorithm):
+    """RigL grows from the gathered records; GradualPruning, whose nnz shrinks, runs with the DDP
+    wrapper rebuilt after each update."""
+    rank0, rank1 = (r[f"{algorithm}_under_ddp"] for r in ranks)
+    _assert_same_topologies(rank0, rank1)
+    for layer0, layer1 in zip(rank0, rank1):
+        assert torch.equal(layer0["values"], layer1["values"])
+    single = _single_process(algorithm)
+    _assert_same_topologies(rank0, single)
+    for layer0, alone in zip(rank0, single):
+        torch.testing.assert_close(layer0["values"], alone["values"], rtol=0, atol=1e-12)
+    initial = worker.layers_state(worker.model())  # the updates did change the topology
+    assert not all(torch.equal(now["col"], then["col"]) for now, then in zip(single, initial))
+
+
+def test_ranks_with_different_seeds_are_refused_at_construction(ranks):
+    for rank in ranks:
+        assert "rank 1 differs from rank 0 in: seed" in rank["different_seeds"]
+
+
+def test_every_rank_applies_rank_zeros_choice(ranks):
+    rank0, rank1 = (r["rank_zero_decides"] for r in ranks)
+    _assert_same_topologies(rank0, rank1)
+    # rank 1's flipped weights would have dropped other connections on their own
+    assert not all(torch.equal(a["values"], b["values"]) for a, b in zip(rank0, rank1))
