@@ -21,7 +21,9 @@
 
 from __future__ import annotations
 
-from snack.topology import check_sparsity
+import numbers
+
+from snack.topology import check_shape, check_sparsity
 
 DISTRIBUTIONS = ("uniform", "erk")
 
@@ -32,7 +34,17 @@ def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[st
     """ERK density per layer (name → ``(out, in)``) so the layers together keep ``density``.
 
     Returns name → density in ``(0, 1]``; ``Σ d_l · n_l = density · Σ n_l`` (up to float error).
+    Raises ``ValueError`` for a density outside ``(0, 1]`` or a layer with a side of 0.
     """
+    if isinstance(density, bool) or not isinstance(density, numbers.Real):
+        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__} {density!r}")
+    if not 0.0 < density <= 1.0:  # NaN fails this too
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    for name, (out, in_) in shapes.items():
+        try:
+            check_shape(out, in_)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"layer {name!r}: {error}") from None
     sizes = {name: out * in_ for name, (out, in_) in shapes.items()}
     raw = {name: (out + in_) / (out * in_) for name, (out, in_) in shapes.items()}
     budget = density * sum(sizes.values())

@@ -245,8 +245,9 @@ class Topology:
         shape = (int(shape[0]), int(shape[1]))
         if validate:
             validate_coo(row, col, shape)
-        self.row = row.to(INDEX_DTYPE)
-        self.col = col.to(INDEX_DTYPE)
+        # contiguous, as the native kernels need (no copy when they already are, as a layer's are)
+        self.row = row.to(INDEX_DTYPE).contiguous()
+        self.col = col.to(INDEX_DTYPE).contiguous()
         self.shape = shape
         self._rowptr: Tensor | None = None
         self._csc_perm: Tensor | None = None

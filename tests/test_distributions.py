@@ -62,3 +62,16 @@ def test_sparsify_with_erk_keeps_the_global_number_of_connections():
     # the narrow output layer is denser than the square hidden layer
     assert layers[2].nnz / (4 * 96) > layers[1].nnz / (96 * 96)
     assert model(torch.randn(3, 64)).shape == (3, 4)
+
+
+@pytest.mark.parametrize("density", [-0.5, 0.0, 1.5, float("nan")])
+def test_erk_densities_rejects_a_density_outside_zero_to_one(density):
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        erk_densities({"a": (10, 10), "b": (20, 5)}, density)
+
+
+def test_erk_names_a_layer_without_rows():
+    with pytest.raises(ValueError, match="layer 'b': out_features must be in"):
+        erk_densities({"a": (10, 10), "b": (0, 5)}, 0.5)
+    with pytest.raises(TypeError, match="density must be a float"):
+        erk_densities({"a": (10, 10)}, "0.5")

@@ -183,11 +183,17 @@ class Scratch {
     char* reserve(int64_t bytes, int slot) {
       const int64_t offset = slot * 576;
       if (bytes + offset > capacity) {
+        // the old buffer goes first (the two need not fit at once); the pool is left empty, not
+        // with a stale capacity, if the new one cannot be had
         std::free(base);
+        base = nullptr;
+        capacity = 0;
         const int64_t alignment = bytes + offset >= kHugePage / 2 ? kHugePage : 4096;
-        capacity = (bytes + offset + alignment - 1) / alignment * alignment;
-        base = static_cast<char*>(std::aligned_alloc(alignment, capacity));
-        TORCH_CHECK(base != nullptr, "snack_cpu: out of memory allocating ", capacity, " bytes of scratch space");
+        const int64_t rounded = (bytes + offset + alignment - 1) / alignment * alignment;
+        char* fresh = static_cast<char*>(std::aligned_alloc(alignment, rounded));
+        TORCH_CHECK(fresh != nullptr, "snack_cpu: out of memory allocating ", rounded, " bytes of scratch space");
+        base = fresh;
+        capacity = rounded;
 #ifdef MADV_HUGEPAGE
         if (alignment == kHugePage) madvise(base, capacity, MADV_HUGEPAGE);  // advice: works without
 #endif
@@ -745,7 +751,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scatter_product(const at::Tensor&
   at::Tensor dx = at::empty({B, in_features}, dy.options());
   at::Tensor dvalues = kFused ? at::empty({nnz}, dy.options()) : at::Tensor();
   at::Tensor dbias = at::empty({bias_grad ? n_out : 0}, dy.options());
-  if (B == 0 || in_features == 0) {
+  if (B == 0 || in_features == 0 || n_out == 0) {  // nothing to scatter (and no row to split)
+    dx.zero_();
     if (kFused) dvalues.zero_();
     if (bias_grad) dbias = dy.sum(0);
     return {dx, dvalues, dbias};
