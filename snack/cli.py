@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args._argv = argv  # what was asked, for results that record their command line
     return int(args._run(args) or 0)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
+from snack.backends.derived import held
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
 
@@ -188,6 +189,13 @@ class SparseLinear(nn.Module):
             cached = Topology(row, col, (self.out_features, self.in_features))
             self._topology, self._topology_key = cached, _buffers_key(row, col)
         return cached
+
+    def index_tensors(self) -> list[Tensor]:
+        """Every index tensor the layer holds now, for memory accounting: ``row``, ``col``, what
+        its topology has derived so far (pointers, column order) and what backends have cached
+        from those (e.g. the CPU's 16-bit columns, once a batch-1 forward ran)."""
+        derived = self._topology.derived_so_far() if self._topology is not None else []
+        return [self.row, self.col, *derived, *held(self.row, self.col, *derived)]
 
     def indices(self) -> Tensor:
         """``(2, nnz)`` int64 tensor of ``[row; col]``, as ``torch.sparse_coo_tensor`` takes them."""

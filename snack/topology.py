@@ -283,6 +283,10 @@ class Topology:
             self._colptr = _derived(lambda: _pointer(self.col, self.shape[1]))
         return self._colptr
 
+    def derived_so_far(self) -> list[Tensor]:
+        """The derived index tensors built so far (for memory accounting), deriving nothing."""
+        return [t for t in (self._rowptr, self._csc_perm, self._colptr) if t is not None]
+
     def tensors(self) -> TopologyTensors:
         """All index tensors the sparse ops take, deriving the missing ones."""
         return TopologyTensors(self.row, self.col, self.rowptr, self.colptr, self.csc_perm)

@@ -33,7 +33,8 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of ``step``: ``WORLD · LOCAL_BATCH`` rows, rank ``r`` trains on the ``r``-th slice."""
     generator = torch.Generator().manual_seed(1000 + step)
     rows = WORLD * LOCAL_BATCH
-    return torch.randn(rows, 12, generator=generator, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=generator)
+    x = torch.randn(rows, 12, generator=generator, dtype=torch.float64)
+    return x, torch.randint(0, 5, (rows,), generator=generator)
 
 
 def rigl(net: nn.Module, optimizer):

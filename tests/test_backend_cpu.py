@@ -175,9 +175,11 @@ def test_a_weight_without_rows_or_columns(op, threads):
             torch.zeros(in_features + 1, dtype=torch.int32), empty,
         )
         generator = torch.Generator().manual_seed(0)
-        dense = {"x": torch.randn(3, in_features, generator=generator), "dy": torch.randn(3, out_features, generator=generator)}
-        inputs = {"spmm": ("x", None), "spmm_t": ("dy", None), "sddmm": ("dy", "x"), "spmm_backward": ("dy", "x", None)}[op]
-        args = [dense[name] if name else torch.empty(0) for name in inputs]
+        dense = {"x": torch.randn(3, in_features, generator=generator),
+                 "dy": torch.randn(3, out_features, generator=generator), "values": torch.empty(0)}
+        inputs = {"spmm": ("x", "values"), "spmm_t": ("dy", "values"), "sddmm": ("dy", "x"),
+                  "spmm_backward": ("dy", "x", "values")}[op]
+        args = [dense[name] for name in inputs]
         got = getattr(cpu, op)(*args, topo)
         for g, e in zip(got if isinstance(got, tuple) else (got,), reference_op(op, *args, topo), strict=True):
             assert g.shape == e.shape and not g.any()
@@ -217,9 +219,10 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(bool(os.environ.get("SNACK_CPU_SANITIZE")), reason="ASan reserves more address space than the limit")
+@pytest.mark.skipif(bool(os.environ.get("SNACK_CPU_SANITIZE")), reason="ASan reserves more address space than this")
 def test_a_failed_scratch_allocation_leaves_the_kernels_usable():
-    result = subprocess.run([sys.executable, "-c", _AFTER_FAILED_ALLOCATION], capture_output=True, text=True, timeout=300)
+    script = [sys.executable, "-c", _AFTER_FAILED_ALLOCATION]
+    result = subprocess.run(script, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-3000:])
 
 
@@ -452,6 +455,30 @@ def test_failed_build_raises_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_SOURCE", broken)
     monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cpu.BuildError, match="building snack's native CPU kernels failed"):
+        cpu.build()
+
+
+def test_an_unloadable_cached_library_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """A build killed while linking leaves a truncated library; it used to be loaded (and fail)
+    on every start, each process falling back to the reference backend."""
+    source = tmp_path / "kernels.cpp"
+    source.write_text("extern \"C\" int snack_test_symbol() { return 1; }\n")  # builds in seconds
+    monkeypatch.setattr(cpu, "_SOURCE", source)
+    monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
+    name, _, _, build_dir = cpu._build_spec()
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"\x7fELF truncated")
+    library = cpu.build()
+    assert "the cached native kernels cannot be loaded" in capsys.readouterr().err
+    assert library.stat().st_size > 1000  # a real library now, and it loaded
+
+
+def test_an_unusable_cache_directory_is_a_build_error(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.touch()
+    monkeypatch.setattr(cpu, "_SOURCE", afile)
+    monkeypatch.setenv("SNACK_CACHE_DIR", str(afile))
+    with pytest.raises(cpu.BuildError, match="the build directory is"):
         cpu.build()
 
 

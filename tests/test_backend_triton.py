@@ -26,7 +26,7 @@ import snack  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from snack import backends  # noqa: E402
-from snack.backends import reference  # noqa: E402
+from snack.backends import derived, reference  # noqa: E402
 from snack.backends import triton as triton_package  # noqa: E402
 from snack.backends.triton import backend as tb  # noqa: E402
 from snack.backends.triton import tuning  # noqa: E402
@@ -322,7 +322,7 @@ def test_the_backend_offers_the_whole_protocol():
     """The optional parts too: without them a training step would silently fall back to separate
     kernels (spmm_backward), and the benchmark would leave cached tensors out of the memory."""
     backend = backends.get_backend("triton")
-    for name in ("spmm", "spmm_t", "sddmm", "spmm_backward", "derived_tensors"):
+    for name in ("spmm", "spmm_t", "sddmm", "spmm_backward"):
         assert getattr(backend, name) is getattr(tb, name)
 
 
@@ -585,12 +585,13 @@ def test_spmm_backward_matches_the_separate_ops(case, batch, bias_grad, form, bl
 def test_rows_in_column_order_are_cached_and_follow_in_place_changes():
     topo = _topology("33x17").to(DEVICE)
     tensors = topo.tensors()
-    (rows,) = tb.derived_tensors(tensors)
+    rows = tb._rows_in_column_order(tensors)
     assert torch.equal(rows, tensors.row[tensors.csc_perm.long()])
-    assert tb.derived_tensors(tensors)[0] is rows  # cached
+    assert tb._rows_in_column_order(tensors) is rows  # cached
+    assert any(held is rows for held in derived.held(*tensors))  # and counted in the layer's memory
     with torch.no_grad():  # what load_state_dict does to a layer's row
         tensors.row.copy_(tensors.row.flip(0))
-    assert torch.equal(tb.derived_tensors(tensors)[0], tensors.row[tensors.csc_perm.long()])
+    assert torch.equal(tb._rows_in_column_order(tensors), tensors.row[tensors.csc_perm.long()])
     _, _, dy, values = _inputs("33x17", 2)
     torch.testing.assert_close(tb.spmm_t(dy, values, tensors), reference.spmm_t(dy, values, tensors))
 

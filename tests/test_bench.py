@@ -7,6 +7,7 @@ import csv
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ import torch
 from snack.bench import Machine, cli
 from snack.bench.roofline import sparse_bound
 from snack.bench.timing import Timer
-from snack.bench.variants import build_variants
+from snack.bench.variants import TorchSparseCSR, build_variants
+from snack.nn import SparseLinear
 from snack import cli as snack_cli
-from snack.cli import build_parser
 
 VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
 
@@ -24,20 +25,28 @@ VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
 @pytest.fixture(scope="module")
 def bench_output(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    args = build_parser().parse_args(
-        ["bench", "--sizes", "64x96", "--sparsity", "0.9", "--batch", "1", "4", "1", "--repeats", "2", "--out", str(out),
-         "--no-progress"]
-    )
-    assert args._run(args) == 0
+    argv = ["bench", "--sizes", "64x96", "--sparsity", "0.9", "--batch", "1", "4", "1", "--repeats", "2",
+            "--out", str(out), "--no-progress"]
+    assert snack_cli.main(argv) == 0
     return out
 
 
+def _strict_json(text: str):
+    """``json.loads`` that refuses NaN and Infinity, which are not JSON (JavaScript rejects them)."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_json_is_complete(bench_output):
-    document = json.loads((bench_output / "cpu_layer.json").read_text())
+    document = _strict_json((bench_output / "cpu_layer.json").read_text())
     for key in ("date", "machine", "command", "backend", "bandwidth_bytes_per_s", "peak_flops_per_s", "grid", "times",
                 "memory"):
         assert key in document
     assert document["backend"] == "cpu"
+    # the command that ran, as given to snack.cli.main (not this process's sys.argv)
+    assert document["command"].startswith("snack bench --sizes 64x96 --sparsity 0.9 --batch 1 4 1 --repeats 2 --out ")
     assert document["bandwidth_bytes_per_s"] > 0 and document["peak_flops_per_s"] > 0
     times = document["times"]
     # 1 size × 1 sparsity × 2 batches (1 was asked twice) × 2 modes, 4 variants each
@@ -51,7 +60,14 @@ def test_json_is_complete(bench_output):
         assert t["speedup_vs_dense"] > 0
         if t["variant"] == "snack":
             assert t["bound_ms"] > 0 and t["distance"] > 0
+        else:
+            assert t["bound_ms"] is None and t["distance"] is None  # not applicable: null
     assert {m["variant"] for m in document["memory"]} == VARIANT_NAMES
+
+
+@pytest.mark.parametrize("path", ["cpu_layer.json", "one_thread/cpu_layer.json", "gpu/cuda_layer.json"])
+def test_the_committed_results_are_strict_json(path):
+    _strict_json((Path(__file__).parents[1] / "benchmarks" / path).read_text())
 
 
 def test_csv_has_a_row_per_point_and_variant(bench_output):
@@ -72,13 +88,24 @@ def test_memory_counts_parameters_gradients_adam_and_indices():
     dense = variants["dense"].state_bytes()
     weights = (40 * 50 + 40) * 4
     assert (dense.params, dense.grads, dense.adam, dense.structure) == (weights, weights, 2 * weights, 0)
-    snack = variants["snack"].state_bytes()
-    nnz = variants["snack"].layer.nnz
-    assert snack.params == (nnz + 40) * 4
-    # row, col, csc_perm (nnz each) and the two pointers, all int32, and the CPU backend's
-    # 16-bit copy of col for batch 1
-    assert snack.structure == (3 * nnz + 41 + 51) * 4 + 2 * nnz
+    sparse = variants["snack"]
+    nnz = sparse.layer.nnz
+    assert sparse.state_bytes().params == (nnz + 40) * 4
+    # what the layer holds: first row and col; after a training step also csc_perm and the two
+    # pointers (all int32); after a batch-1 forward also the CPU backend's 16-bit copy of col
+    assert sparse.state_bytes().structure == 2 * nnz * 4
+    sparse.train_step(torch.randn(4, 50, requires_grad=True), torch.randn(4, 40))
+    assert sparse.state_bytes().structure == (3 * nnz + 41 + 51) * 4
+    sparse.infer(torch.randn(1, 50))
+    assert sparse.state_bytes().structure == (3 * nnz + 41 + 51) * 4 + 2 * nnz
     assert variants["dense+mask"].state_bytes().structure == 40 * 50 * 4
+
+
+def test_the_torch_sparse_baseline_transposes_exactly_past_two_to_the_24_nonzeros():
+    """Its transposed CSR's value permutation was built in float32, which rounds positions above
+    2**24: the IndexError came after every earlier point had been measured, losing the run."""
+    layer = SparseLinear((1 << 24) + 8, 1, sparsity=0.0)  # one row: the transpose keeps the order
+    assert torch.equal(TorchSparseCSR(layer).perm_t, torch.arange(layer.nnz))
 
 
 def test_variants_compute_the_same_layer():
@@ -107,7 +134,8 @@ def test_roofline_bound():
     assert (flops, moved) == (2 * 2 * 50, weight + activations)
     assert bound == max(moved, flops) / 1e9
     _, train_flops, train_moved = sparse_bound(machine, 10, 20, nnz=50, batch=2, training=True)
-    assert (train_flops, train_moved) == (3 * flops, 2 * weight + 50 * 4 + 2 * activations)
+    # the weight twice, dvalues, and X, Y (forward), dY, X, dX (backward)
+    assert (train_flops, train_moved) == (3 * flops, 2 * weight + 50 * 4 + 2 * activations + 2 * 20 * 4)
     # a working set that fits the measured cache buffer streams at the cache's rate
     # a forward reading 16-bit columns moves 2 bytes less per non-zero
     assert sparse_bound(machine, 10, 20, nnz=50, batch=2, training=False, forward_column_bytes=2)[2] == moved - 100

@@ -76,3 +76,23 @@ def test_snack_train_says_when_no_topology_update_would_happen(capsys):
     captured = capsys.readouterr()
     assert "note: --update-every 50 leaves no topology update: updates stop after step 0 of 1" in captured.err
     assert "(1 steps, 0 topology updates)" in captured.out
+
+
+def test_snack_train_says_when_the_only_update_has_nothing_left_to_drop(capsys):
+    # 4 steps; updates stop after step 3, the one update step, where the cosine fraction is 0
+    argv = ["train", "--width", "16", "--epochs", "1", "--limit", "256", "--no-progress", "--update-every"]
+    assert cli.main([*argv, "3"]) == 0
+    captured = capsys.readouterr()
+    assert "note: --update-every 3 leaves no topology update: updates stop after step 3 of 4, and the drop " \
+           "fraction decays to 0 at that step" in captured.err
+    assert "(4 steps, 0 topology updates)" in captured.out
+    assert cli.main([*argv, "2"]) == 0  # step 2 drops some
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_the_model_label_keeps_the_sparsity_asked_for(capsys):
+    argv = ["train", "--width", "16", "--epochs", "1", "--limit", "64", "--sparsity", "0.999", "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rigl 99.9%: held-out accuracy" in out
+    assert "process peak memory (this model, the data and torch itself): peak RSS" in out

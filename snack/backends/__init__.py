@@ -9,8 +9,9 @@ A backend implements the three sparse ops on the flat topology tensors
 * ``sddmm(dy, x, topo)`` → ``(nnz,)``, ``dvalues[k] = Σ_b dy[b, row_k] · x[b, col_k]``
 
 and ``supports(device) -> bool``; optionally ``spmm_backward(dy, x, values, topo, *, bias_grad=False)
--> (dx, dvalues[, dy.sum(0)])`` (all in one pass) and ``derived_tensors(topo) -> list[Tensor]`` (what it caches per topology,
-for memory accounting). ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
+-> (dx, dvalues[, dy.sum(0)])`` (all in one pass). What a backend keeps per topology goes through
+:func:`snack.backends.derived.derived` (so memory accounting finds it with ``held``).
+``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
 Inputs arrive contiguous, checked, on one device; outputs must be new tensors. The custom ops in :mod:`snack.ops` register one kernel per
 device type with PyTorch's dispatcher; that kernel asks :func:`resolve` which backend to run:
 the one forced by :func:`use_backend`, else the first default for the device type that loads.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-__all__ = ["derived"]
+__all__ = ["derived", "held"]
 
 # (name, ids of the sources) -> (their versions when built, the derived tensor)
 _CACHE: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
@@ -35,3 +35,10 @@ def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor])
         entry = (versions, build())
         _CACHE[key] = entry
     return entry[1]
+
+
+def held(*sources: Tensor) -> list[Tensor]:
+    """Every tensor cached from any of ``sources`` that is still in memory (for memory
+    accounting: what backends keep for a topology, whichever of them built it)."""
+    ids = set(map(id, sources))
+    return [tensor for key, (_, tensor) in _CACHE.items() if ids.intersection(key[1:])]

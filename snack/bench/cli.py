@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
         times, memory = run_grid(grid, machine, device, progress)
 
-    given = sys.argv[2:] if sys.argv[1:2] == ["bench"] else []
+    given = getattr(args, "_argv", ["bench"])[1:]  # set by snack.cli.main
     command = " ".join(["snack bench", *(shlex.quote(a) for a in given)])
     metadata = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import textwrap
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -62,8 +63,19 @@ def format_memory(memory: list[MemoryRecord]) -> str:
 
 
 def write_json(path: Path, metadata: dict, times: list[TimeRecord], memory: list[MemoryRecord]) -> None:
+    """Strict JSON: a figure that does not apply to a variant (NaN in the records) is ``null``."""
     document = {**metadata, "times": [asdict(t) for t in times], "memory": [asdict(m) for m in memory]}
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    path.write_text(json.dumps(_nan_as_null(document), indent=1, allow_nan=False) + "\n")
+
+
+def _nan_as_null(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _nan_as_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_as_null(item) for item in value]
+    return value
 
 
 def write_csv(path: Path, times: list[TimeRecord]) -> None:

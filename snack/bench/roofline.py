@@ -95,7 +95,9 @@ def sparse_bound(
     activation_bytes = batch * (in_features + out_features) * element_size
     if training:
         flops = 3 * 2 * batch * nnz
-        moved = forward_weight + weight_bytes + nnz * element_size + 2 * activation_bytes
+        # forward: X in, Y out; backward: dY and X in, dX out
+        moved = (forward_weight + weight_bytes + nnz * element_size
+                 + 2 * activation_bytes + batch * in_features * element_size)
         working_set = weight_bytes + nnz * element_size + 2 * activation_bytes
     else:
         flops = 2 * batch * nnz

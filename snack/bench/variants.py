@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from snack import backends
 from snack.nn import SparseLinear
 
 __all__ = ["VARIANTS", "Memory", "build_variants"]
@@ -129,10 +128,11 @@ class TorchSparseCSR:
         csr = torch.sparse_coo_tensor(layer.indices(), self.values, self.shape).to_sparse_csr()
         self.crow, self.col = csr.crow_indices(), csr.col_indices()
         # the transpose (in × out) for dX: its structure once, its values gathered every step
-        position = torch.arange(layer.nnz, device=self.values.device, dtype=self.values.dtype)
+        # (int64 positions: float32 ones would round above 2**24 non-zeros)
+        position = torch.arange(layer.nnz, device=self.values.device, dtype=torch.int64)
         csr_t = torch.sparse_coo_tensor(layer.indices().flip(0), position, (in_features, out_features)).to_sparse_csr()
         self.crow_t, self.col_t = csr_t.crow_indices(), csr_t.col_indices()
-        self.perm_t = csr_t.values().long()
+        self.perm_t = csr_t.values()
 
     def _weight(self) -> Tensor:
         return torch.sparse_csr_tensor(self.crow, self.col, self.values, self.shape)
@@ -161,12 +161,9 @@ class Snack(_ModuleVariant):
         self.module = self.layer = layer
 
     def state_bytes(self) -> Memory:
-        # the index buffers, every derived index tensor the topology caches, and what the
-        # backend caches per topology (the CPU backend's 16-bit columns for batch 1)
-        tensors = self.layer.topology.tensors()
-        backend = backends.resolve(self.layer.values.device)
-        structure = [*tensors, *getattr(backend, "derived_tensors", lambda topo: [])(tensors)]
-        return _training_memory(list(self.layer.parameters()), structure)
+        # the index buffers and every index tensor derived from them that the runs left cached
+        # (the CPU backend's 16-bit columns only if a batch-1 point ran)
+        return _training_memory(list(self.layer.parameters()), self.layer.index_tensors())
 
 
 VARIANTS = (Dense, DenseMask, TorchSparseCSR, Snack)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from torch import Tensor
 from snack.backends.derived import derived
 from snack.topology import TopologyTensors
 
-__all__ = ["BuildError", "build", "derived_tensors", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+__all__ = ["BuildError", "build", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
@@ -101,13 +102,17 @@ def build(*, verbose: bool | None = None) -> Path:
     name, flags, ldflags, build_dir = _build_spec()
     library = build_dir / f"{name}.so"
     if library.exists():
-        torch.ops.load_library(str(library))
-        return library
+        try:
+            torch.ops.load_library(str(library))
+            return library
+        except OSError as error:  # e.g. truncated by a build that was killed: build it again
+            print(f"snack: the cached native kernels cannot be loaded ({error}); rebuilding", file=sys.stderr)
+            shutil.rmtree(build_dir, ignore_errors=True)
     print("snack: compiling native CPU kernels (one-time, about 30 s)...", file=sys.stderr, flush=True)
-    build_dir.mkdir(parents=True, exist_ok=True)
     from torch.utils import cpp_extension  # heavy import, only needed to build
 
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name,
             sources=[str(_SOURCE)],
@@ -153,12 +158,6 @@ def narrow_columns(col: Tensor) -> Tensor:
 def forward_column_bytes(batch: int, in_features: int) -> int:
     """Bytes per column index :func:`spmm` reads (for the benchmark's roofline bound)."""
     return 2 if batch == 1 and in_features <= _MAX_U16_COLUMNS else 4
-
-
-def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
-    """What this backend caches per topology (for memory accounting): the 16-bit columns."""
-    in_features = topo.colptr.numel() - 1
-    return [narrow_columns(topo.col)] if in_features <= _MAX_U16_COLUMNS and not topo.col.is_inference() else []
 
 
 def spmm(x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor:

@@ -14,10 +14,10 @@ import importlib.util
 
 import torch
 
-__all__ = ["derived_tensors", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+__all__ = ["sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
 
 # what the package forwards from the backend module (the backend protocol of snack.backends)
-_OPS = ("derived_tensors", "sddmm", "spmm", "spmm_backward", "spmm_t")
+_OPS = ("sddmm", "spmm", "spmm_backward", "spmm_t")
 
 
 def supports(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ Which SDDMM form runs
 The transposed SpMM reads column-ordered copies
     ``dX = dY·W`` walks ``W`` by column. The kernels read the row (and, for the segment form, the
     column) indices in column order from copies cached per topology (``row[csc_perm]``, 4 bytes
-    per non-zero, :func:`derived_tensors`). The first H200 run read them through ``csc_perm``
+    per non-zero, :func:`_rows_in_column_order`). The first H200 run read them through ``csc_perm``
     inside the kernel: a chain of three dependent loads per non-zero (``csc_perm`` → ``row`` →
     ``dy``), 36.7 µs at batch 1 (90%, 4096²) against 12.5 µs for the forward.
 
@@ -103,7 +103,6 @@ from snack.backends.triton import tuning
 from snack.topology import TopologyTensors
 
 __all__ = [
-    "derived_tensors",
     "sddmm",
     "spmm",
     "spmm_backward",
@@ -272,11 +271,6 @@ def _column_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
     sources, columns = (topo.row, topo.col, topo.csc_perm), _cols_in_column_order(topo)
     rows, band = _rows_in_column_order(topo), _band_width(band, n_rows)
     return _band_pointers("triton_column_bands", sources, columns, rows, n_cols, n_rows, band)
-
-
-def derived_tensors(topo: TopologyTensors) -> list[Tensor]:
-    """What this backend caches per topology (for memory accounting): the rows in column order."""
-    return [] if topo.row.is_inference() else [_rows_in_column_order(topo)]
 
 
 def _segment_spmm(
