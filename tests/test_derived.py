@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
 from snack.backends import derived as derived_module
-from snack.backends.derived import derived
+from snack.backends.derived import derived, held
 
 
 def test_built_once_per_sources_and_rebuilt_after_an_in_place_change():
@@ -42,3 +43,25 @@ def test_inference_tensors_are_not_cached():
     for _ in range(2):
         derived("inference", (a,), lambda: builds.append(1) or a * 2)
     assert len(builds) == 2
+
+
+def test_a_long_lived_source_keeps_no_finalizer_per_dropped_pairing():
+    """A layer's ``row`` cached with each topology's fresh ``csc_perm`` in turn."""
+    row = torch.arange(100, dtype=torch.int32)
+    before = len(weakref.finalize._registry)
+    for _ in range(50):
+        perm = torch.randperm(100).to(torch.int32)
+        derived("test_rows_by_column", (row, perm), lambda: row.index_select(0, perm))
+        del perm  # drops the entry
+    gc.collect()
+    assert not [key for key in derived_module._CACHE if key[0] == "test_rows_by_column"]
+    assert len(weakref.finalize._registry) - before == 0
+
+
+def test_held_lists_what_is_cached_from_any_given_source():
+    a, b, other = (torch.arange(4) for _ in range(3))
+    from_a = derived("test_held_a", (a,), lambda: a * 2)
+    from_ab = derived("test_held_ab", (a, b), lambda: a + b)
+    assert {id(t) for t in held(a)} == {id(from_a), id(from_ab)}
+    assert [id(t) for t in held(b)] == [id(from_ab)]
+    assert held(other) == []

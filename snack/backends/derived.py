@@ -17,8 +17,9 @@ from torch import Tensor
 
 __all__ = ["derived", "held"]
 
-# (name, ids of the sources) -> (their versions when built, the derived tensor)
-_CACHE: dict[tuple, tuple[tuple[int, ...], Tensor]] = {}
+# (name, ids of the sources) -> (their versions when built, the derived tensor, the finalizers
+# that drop the entry when a source is freed)
+_CACHE: dict[tuple, tuple[tuple[int, ...], Tensor, list]] = {}
 
 
 def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor]) -> Tensor:
@@ -29,16 +30,26 @@ def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor])
     versions = tuple(t._version for t in sources)
     entry = _CACHE.get(key)
     if entry is None:
-        for source in sources:
-            weakref.finalize(source, _CACHE.pop, key, None)
+        finalizers = [weakref.finalize(source, _drop, key) for source in sources]
+    else:
+        finalizers = entry[2]
     if entry is None or entry[0] != versions:
-        entry = (versions, build())
+        entry = (versions, build(), finalizers)
         _CACHE[key] = entry
     return entry[1]
+
+
+def _drop(key: tuple) -> None:
+    """Forget ``key``'s entry, and the finalizers on its other sources (a long-lived tensor paired
+    with short-lived ones would otherwise collect one dead finalizer per pairing)."""
+    entry = _CACHE.pop(key, None)
+    if entry is not None:
+        for finalizer in entry[2]:
+            finalizer.detach()
 
 
 def held(*sources: Tensor) -> list[Tensor]:
     """Every tensor cached from any of ``sources`` that is still in memory (for memory
     accounting: what backends keep for a topology, whichever of them built it)."""
     ids = set(map(id, sources))
-    return [tensor for key, (_, tensor) in _CACHE.items() if ids.intersection(key[1:])]
+    return [entry[1] for key, entry in _CACHE.items() if ids.intersection(key[1:])]
