@@ -193,6 +193,7 @@ def _setup(ctx, inputs, output):
     # grad of a needs b (and vice versa) for all three ops
     ctx.save_for_backward(a if needs_b else None, b if needs_a else None, *topo)
     ctx.a_cols = a.shape[1]
+    ctx.forced = backends.forced_backend()  # the backward runs where the forward ran
 
 
 def _spmm_grads(
@@ -227,21 +228,24 @@ def _spmm_grads(
 
 def _spmm_backward(ctx, grad):
     x, values, *topo = ctx.saved_tensors
-    dx, dvalues = _spmm_grads(grad, x, values, TopologyTensors(*topo), *ctx.needs_input_grad[:2], direct=False)
+    with backends.forcing(ctx.forced):
+        dx, dvalues = _spmm_grads(grad, x, values, TopologyTensors(*topo), *ctx.needs_input_grad[:2], direct=False)
     return (dx, dvalues, *_NO_TOPOLOGY_GRADS)
 
 
 def _spmm_t_backward(ctx, grad):
     dy, values, *topo = ctx.saved_tensors
-    ddy = torch.ops.snack.spmm(grad, values, *topo) if ctx.needs_input_grad[0] else None
-    dvalues = torch.ops.snack.sddmm(dy, grad, *topo) if ctx.needs_input_grad[1] else None
+    with backends.forcing(ctx.forced):
+        ddy = torch.ops.snack.spmm(grad, values, *topo) if ctx.needs_input_grad[0] else None
+        dvalues = torch.ops.snack.sddmm(dy, grad, *topo) if ctx.needs_input_grad[1] else None
     return (ddy, dvalues, *_NO_TOPOLOGY_GRADS)
 
 
 def _sddmm_backward(ctx, grad):
     dy, x, *topo = ctx.saved_tensors
-    ddy = torch.ops.snack.spmm(x, grad, *topo) if ctx.needs_input_grad[0] else None
-    dx = torch.ops.snack.spmm_t(dy, grad, *topo) if ctx.needs_input_grad[1] else None
+    with backends.forcing(ctx.forced):
+        ddy = torch.ops.snack.spmm(x, grad, *topo) if ctx.needs_input_grad[0] else None
+        dx = torch.ops.snack.spmm_t(dy, grad, *topo) if ctx.needs_input_grad[1] else None
     return (ddy, dx, *_NO_TOPOLOGY_GRADS)
 
 
@@ -316,16 +320,18 @@ class _SparseLinearFunction(torch.autograd.Function):
         # raise, rather than give the new connections the old ones' gradients
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values)
         ctx.topo = topo
+        ctx.forced = backends.forced_backend()  # the backward runs where the forward ran
         return _linear_kernel(x, values, bias, topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, values = ctx.saved_tensors
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
-        if need_x and need_values and need_bias and not torch.is_grad_enabled():
-            # a training step's backward: all three gradients from one pass over the weight
-            return (*_backward_kernels(grad, x, values, ctx.topo, bias_grad=True), None)
-        dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
+        with backends.forcing(ctx.forced):
+            if need_x and need_values and need_bias and not torch.is_grad_enabled():
+                # a training step's backward: all three gradients from one pass over the weight
+                return (*_backward_kernels(grad, x, values, ctx.topo, bias_grad=True), None)
+            dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
         return dx, dvalues, grad.sum(0) if need_bias else None, None
 
 

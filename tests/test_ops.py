@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -192,6 +194,43 @@ def test_use_backend_forces_and_restores():
         assert calls == ["spmm"]  # restored on exit
     finally:
         backends.unregister_backend("recording")
+
+
+@pytest.mark.parametrize("path", ["layer", "custom_ops"])
+def test_a_backward_runs_on_the_backend_its_forward_was_forced_to(path):
+    """Also where the ``with`` block is not seen: after it, or on another thread (PyTorch runs a
+    CUDA backward on a worker thread)."""
+    layer = make_layer(8, 6, 0.5)
+    calls = []
+    reference = backends.get_backend("reference")
+
+    class Recording:
+        supports = staticmethod(reference.supports)
+
+        def __getattr__(self, op):
+            def recorded(*args, **kwargs):
+                calls.append(op)
+                return getattr(reference, op)(*args, **kwargs)
+
+            return recorded if op in ("spmm", "spmm_t", "sddmm") else super().__getattribute__(op)
+
+    backends.register_backend("recording", Recording)
+    try:
+        for run_backward in (lambda loss: loss.backward(), _on_another_thread):
+            calls.clear()
+            x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+            with snack.use_backend("recording"):
+                y = layer(x) if path == "layer" else snack.ops.spmm(x, layer.values, layer.topology)
+            run_backward(y.sum())
+            assert calls == ["spmm", "spmm_t", "sddmm"]
+    finally:
+        backends.unregister_backend("recording")
+
+
+def _on_another_thread(loss):
+    thread = threading.Thread(target=loss.backward)
+    thread.start()
+    thread.join()
 
 
 def test_use_backend_unknown_name():

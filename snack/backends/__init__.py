@@ -39,6 +39,8 @@ __all__ = [
     "BackendUnavailableError",
     "available_backends",
     "default_backend_name",
+    "forced_backend",
+    "forcing",
     "get_backend",
     "register_backend",
     "resolve",
@@ -150,15 +152,40 @@ def default_backend_name(device: torch.device | str) -> str:
 def use_backend(name: str) -> Iterator[None]:
     """Force every snack op inside the ``with`` block to run on backend ``name``.
 
+    The backward of an op run inside the block runs there too, wherever and whenever autograd
+    runs it (PyTorch runs a CUDA backward on a worker thread, which does not see the block).
     Raises at once if the backend does not exist or cannot load. Ops on a device the backend
     does not support raise :class:`BackendUnavailableError` when called.
     """
     get_backend(name)
-    token = _FORCED.set(name)
-    try:
+    with _Forcing(name):
         yield
-    finally:
-        _FORCED.reset(token)
+
+
+def forced_backend() -> str | None:
+    """The backend name :func:`use_backend` forces here, or ``None``."""
+    return _FORCED.get()
+
+
+def forcing(name: str | None) -> contextlib.AbstractContextManager:
+    """Force backend ``name`` (unchecked; ``None``: leave the choice as it is) inside a ``with``
+    block: how a backward restores the :func:`forced_backend` of its forward. (A class, not a
+    generator: every layer's backward enters one.)"""
+    return _NOT_FORCING if name is None else _Forcing(name)
+
+
+class _Forcing:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.token = _FORCED.set(self.name)
+
+    def __exit__(self, *exc_info) -> None:
+        _FORCED.reset(self.token)
+
+
+_NOT_FORCING = contextlib.nullcontext()
 
 
 def resolve(device: torch.device) -> Backend:
