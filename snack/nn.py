@@ -11,8 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from snack.distributions import layer_sparsities
 from snack.backends.derived import held
+from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
 

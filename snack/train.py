@@ -203,12 +203,10 @@ def _note_if_no_update(update_every: int, drop_fraction: float, total_steps: int
     steps = range(update_every, schedule.end_step + 1, update_every)
     if any(schedule.fraction(step) > 0 for step in steps):
         return
-    why = "the drop fraction decays to 0 at that step" if steps else "none falls in them"
-    print(
-        f"note: --update-every {update_every} leaves no topology update: updates stop after step "
-        f"{schedule.end_step} of {total_steps}, and {why}",
-        file=sys.stderr,
-    )
+    why = f"updates stop after step {schedule.end_step} of {total_steps}"
+    if steps:  # only the last step, where the cosine decay ends
+        why += f", and step {schedule.end_step}, the only update step, has a drop fraction of 0"
+    print(f"note: --update-every {update_every} leaves no topology update: {why}", file=sys.stderr)
 
 
 def _progress(total: int, disable: bool):

@@ -83,8 +83,8 @@ def test_snack_train_says_when_the_only_update_has_nothing_left_to_drop(capsys):
     argv = ["train", "--width", "16", "--epochs", "1", "--limit", "256", "--no-progress", "--update-every"]
     assert cli.main([*argv, "3"]) == 0
     captured = capsys.readouterr()
-    assert "note: --update-every 3 leaves no topology update: updates stop after step 3 of 4, and the drop " \
-           "fraction decays to 0 at that step" in captured.err
+    assert "note: --update-every 3 leaves no topology update: updates stop after step 3 of 4, and step 3, the " \
+           "only update step, has a drop fraction of 0" in captured.err
     assert "(4 steps, 0 topology updates)" in captured.out
     assert cli.main([*argv, "2"]) == 0  # step 2 drops some
     assert "note:" not in capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["broadcast_choices", "check_same_on_every_rank", "gather_rows", "resolve_group"]
+__all__ = ["broadcast_choices", "check_same_on_every_rank", "gather_rows", "resolve_group", "topology_fingerprint"]
 
 # one layer's choice: (drop positions (k_drop,) int64, grow positions (k_grow,) int64, grow values or None)
 Choice = tuple[Tensor, Tensor, Tensor | None]
@@ -95,8 +95,8 @@ def broadcast_choices(choices: list[Choice], device: torch.device, group) -> lis
     positions = _resized(positions, sum(d + g for d, g, _ in sizes))
     dist.broadcast(positions, source, group=group)
     grow_values = [v.to(device, torch.float64) for _, _, v in choices if v is not None]
-    values = _resized(torch.cat(grow_values) if grow_values else torch.empty(0, device=device, dtype=torch.float64),
-                      sum(g for _, g, has in sizes if has))
+    values = torch.cat(grow_values) if grow_values else torch.empty(0, device=device, dtype=torch.float64)
+    values = _resized(values, sum(g for _, g, has in sizes if has))
     dist.broadcast(values, source, group=group)
     result, at, value_at = [], 0, 0
     for k_drop, k_grow, has_values in sizes:
