@@ -11,6 +11,7 @@ rather than the autotuned ones.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -898,3 +899,81 @@ def test_kernel_bench_reports_wrong_prepared_variants_and_goes_on(monkeypatch, t
     timed = row["graph_us"]
     assert "backward[row]" not in timed and "spmm_t[patches/512]" not in timed
     assert timed["backward[column]"] == timed["spmm_t[patches/256]"] == 2.0
+
+
+@pytest.mark.parametrize("form", tb.FORMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_bias_is_added_before_half_precision_rounding(form, dtype):
+    """x·Wᵀ = 257 and bias = -256: rounded to bfloat16 first, 257 becomes 256 and the result 0; the
+    pointer form, the reference and nn.Linear give 1."""
+    topo = Topology(torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), (1, 2))
+    tensors = topo.to(DEVICE).tensors()
+    x = torch.tensor([[128.0, 129.0]], dtype=dtype, device=DEVICE)
+    values, bias = torch.ones(2, dtype=dtype, device=DEVICE), torch.tensor([-256.0], dtype=dtype, device=DEVICE)
+    assert tb.spmm(x, values, tensors, bias, form=form).item() == 1.0
+
+
+@pytest.mark.parametrize("batch", [3, 9])  # below and above TRANSPOSE_MIN_BATCH: both layouts
+def test_the_pointer_spmm_runs_a_batch_past_the_grid_limit_in_chunks(batch, monkeypatch, launches):
+    """CUDA caps grid axis 1 at 65535 batch tiles (4,194,240 rows); past it the form used to
+    raise, though the heuristic picks it for every large batch."""
+    monkeypatch.setattr(tb, "MAX_BLOCK_B", 1)
+    monkeypatch.setattr(tb, "_BATCH_GRID_LIMIT", 2)  # 2 rows per launch
+    topo, x, dy, values = _inputs("33x17", batch)
+    bias = torch.randn(topo.rowptr.numel() - 1, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = tb.spmm(x, values, topo, bias, form="pointer")
+    assert launches == ["pointer_spmm"] * math.ceil(batch / 2)
+    torch.testing.assert_close(got, reference.spmm(x, values, topo) + bias, **TOL[torch.float32])
+    torch.testing.assert_close(tb.spmm_t(dy, values, topo, form="pointer"), reference.spmm_t(dy, values, topo),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("op", ["spmm", "sddmm"])
+def test_band_pointers_follow_the_shape_when_row_and_col_are_shared(op):
+    """A topology of another shape over the same row and col tensors used to get the first one's
+    cached band pointers (an out-of-bounds read in the patch forms)."""
+    row, col = (t.to(DEVICE) for t in random_coo(40, 50, 0.8, generator=torch.Generator().manual_seed(0)))
+    for out_features in (40, 48):
+        topo = Topology(row, col, (out_features, 50)).tensors()
+        generator = torch.Generator().manual_seed(out_features)
+        x = torch.randn(3, 50, generator=generator).to(DEVICE)
+        dy = torch.randn(3, out_features, generator=generator).to(DEVICE)
+        values = torch.randn(row.numel(), generator=generator).to(DEVICE)
+        if op == "spmm":
+            got, expected = tb.spmm(x, values, topo, form="patches"), reference.spmm(x, values, topo)
+        else:
+            got, expected = tb.sddmm(dy, x, topo, form="patches"), reference.sddmm(dy, x, topo)
+        torch.testing.assert_close(got, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("n_out", "kernel"), [(2 * tb._DEFAULT_SM_COUNT, "pointer_sddmm"), (100, "segment_sddmm")])
+def test_the_sddmm_form_counts_rows_not_batch_tiles(n_out, kernel, launches, monkeypatch):
+    """The pointer SDDMM runs one program per row with the batch looped inside: a large batch
+    does not fill idle SMs (a 256-row batch into 100 rows used to launch 100 programs)."""
+    monkeypatch.setattr(tb, "_sm_count", lambda device: tb._DEFAULT_SM_COUNT)
+    topo = Topology(*random_coo(n_out, 3, 0.5, generator=torch.Generator().manual_seed(0)), (n_out, 3)).to(DEVICE)
+    tensors = topo.tensors()
+    tb.sddmm(torch.randn(256, n_out, device=DEVICE), torch.randn(256, 3, device=DEVICE), tensors)
+    assert launches == [kernel]
+
+
+def test_a_broken_triton_install_makes_the_backend_unavailable_not_every_op_raise(monkeypatch):
+    """Triton present but failing to import (e.g. a mismatched libtriton.so): reported once, the
+    device falls back, and use_backend("triton") says so at once."""
+    def broken():
+        raise ImportError("libtriton.so: undefined symbol")
+
+    monkeypatch.setattr(triton_package, "_backend", broken)
+    saved = {key: dict(table) for key, table in (("loaded", backends._LOADED), ("failed", backends._FAILED))}
+    backends._LOADED.pop("triton", None)
+    backends._RESOLVED.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="snack backend 'triton' is unavailable: ImportError: libtriton"):
+            assert backends.default_backend_name("cuda") == "reference"
+        with pytest.raises(backends.BackendUnavailableError, match="libtriton.so: undefined symbol"):
+            with snack.use_backend("triton"):
+                pass
+    finally:
+        backends._LOADED.clear(), backends._LOADED.update(saved["loaded"])
+        backends._FAILED.clear(), backends._FAILED.update(saved["failed"])
+        backends._RESOLVED.clear()

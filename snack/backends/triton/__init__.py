@@ -35,6 +35,16 @@ def _backend():
     return importlib.import_module("snack.backends.triton.backend")
 
 
+def load():
+    """This package, with the kernels imported when Triton is installed: the loader
+    :mod:`snack.backends` registers, so that a broken Triton install makes the backend
+    unavailable (reported once, falling back to another) rather than raise from every op."""
+    package = importlib.import_module(__name__)
+    if _triton_installed():
+        _backend()
+    return package
+
+
 def __getattr__(name: str):
     if name in _OPS:
         # bound once: this runs only for names not yet in the module's globals, and every op call

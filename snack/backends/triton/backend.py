@@ -134,8 +134,8 @@ WALKS = ("column", "row")
 FORMS = ("segment", "pointer", "patches")
 # CUDA caps grid axes 1 and 2 at 65535 programs.
 _MAX_GRID_1 = 65535
-# Programs along the batch of the kernels that stride over the rest of it (the segment SpMM, the
-# patch forms); a name of its own so that tests can shrink it.
+# Programs along the batch: the segment SpMM and the patch forms stride over the rest of it, the
+# pointer SpMM launches once per that many batch tiles; a name of its own so that tests can shrink it.
 _BATCH_GRID_LIMIT = _MAX_GRID_1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -222,6 +222,17 @@ def _batch_contiguous(a: Tensor) -> tuple[Tensor, int, int]:
     return a, a.shape[1], 1
 
 
+def _batch_rows(layout: tuple[Tensor, int, int], batch: int, start: int, rows: int) -> Tensor:
+    """Rows ``start : start + rows`` of the batch of a :func:`_batch_contiguous` layout, as a view
+    (the batch is dim 0 of an untransposed storage, dim 1 of a transposed one); the storage itself
+    when that is all of it (a view is an op, and every op costs host time)."""
+    storage, stride_ab, _ = layout
+    if start == 0 and rows == batch:
+        return storage
+    batch_dim = 0 if storage.shape[0] == batch and storage.stride(0) == stride_ab else 1
+    return storage.narrow(batch_dim, start, rows)
+
+
 def _rows_in_column_order(topo: TopologyTensors) -> Tensor:
     """``row[csc_perm]`` ``(nnz,)`` int32, cached per topology (module docstring)."""
     return derived("triton_rows_by_column", (topo.row, topo.csc_perm), lambda: topo.row.index_select(0, topo.csc_perm))
@@ -259,25 +270,26 @@ def _band_width(band: int | None, n_in: int) -> int:
 def _row_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
     """:func:`_band_pointers` of the rows over bands of columns (the patch SpMM and SDDMM)."""
     n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
-    return _band_pointers(
-        "triton_row_bands", (topo.row, topo.col), topo.row, topo.col, n_rows, n_cols, _band_width(band, n_cols)
-    )
+    # keyed on the pointers too: a topology of another shape may share row and col
+    sources = (topo.row, topo.col, topo.rowptr, topo.colptr)
+    return _band_pointers("triton_row_bands", sources, topo.row, topo.col, n_rows, n_cols, _band_width(band, n_cols))
 
 
 def _column_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
     """:func:`_band_pointers` of the columns (in column order) over bands of rows (the patch
     transposed SpMM)."""
     n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
-    sources, columns = (topo.row, topo.col, topo.csc_perm), _cols_in_column_order(topo)
+    sources, columns = (topo.row, topo.col, topo.csc_perm, topo.rowptr, topo.colptr), _cols_in_column_order(topo)
     rows, band = _rows_in_column_order(topo), _band_width(band, n_rows)
     return _band_pointers("triton_column_bands", sources, columns, rows, n_cols, n_rows, band)
 
 
 def _segment_spmm(
     a: Tensor, values: Tensor, seg_ptr: Tensor, seg_index: Tensor, gather_index: Tensor, n_out: int,
-    value_index: Tensor | None = None,
+    value_index: Tensor | None = None, bias: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """``y (B, n_out)`` from ``a (B, n_in)``; ``values[value_index]`` when ``value_index`` is given."""
+    """``y (B, n_out)`` from ``a (B, n_in)``; ``values[value_index]`` when ``value_index`` is given;
+    ``bias (n_out,)`` added before the float32 sums are rounded to ``a``'s dtype."""
     _alert_not_deterministic("snack's Triton segment SpMM (form='segment')")
     batch, nnz = a.shape[0], gather_index.numel()
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
@@ -292,7 +304,16 @@ def _segment_spmm(
             a, values, gather_index if value_index is None else value_index, seg_ptr, seg_index, gather_index, y,
             nnz, batch, n_out, a.shape[1], 1, INDIRECT_VALUES=value_index is not None,
         )  # fmt: skip
-    return y.to(a.dtype)
+    return _rounded(y, bias, a.dtype)
+
+
+def _rounded(y: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The float32 sums ``y`` plus ``bias`` in ``dtype``, rounded once (as the pointer form, the
+    reference and ``nn.Linear`` do: a half-precision output rounded before the bias is added can
+    lose the result, e.g. 257 - 256 in bfloat16)."""
+    if bias is not None:
+        y.add_(bias)
+    return y.to(dtype)
 
 
 def _pointer_spmm(
@@ -305,16 +326,18 @@ def _pointer_spmm(
     y = torch.empty(batch, n_out, device=a_storage.device, dtype=a_storage.dtype)
     if batch > 0 and n_out > 0:
         block_b = _block_b(batch)
-        grid = (n_out, _cdiv(batch, block_b))
-        if grid[1] > _MAX_GRID_1:
-            raise ValueError(f"snack triton backend: batch {batch} exceeds {_MAX_GRID_1 * block_b} rows per call")
-        tuning.launch(
-            "pointer_spmm", grid,
-            a_storage, values, gather_index if value_index is None else value_index, seg_ptr, gather_index,
-            y if bias is None else bias, y, batch, stride_ab, stride_ai, y.stride(0), y.stride(1),
-            HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=tuning.INTERPRETED,
-            BLOCK_B=block_b,
-        )  # fmt: skip
+        # one program per batch tile along grid axis 1, which CUDA caps: past that many tiles
+        # (4,194,240 rows at 64 per tile) the batch runs in chunks of rows
+        chunk = _BATCH_GRID_LIMIT * block_b
+        for start in range(0, batch, chunk):
+            rows = min(chunk, batch - start)
+            tuning.launch(
+                "pointer_spmm", (n_out, _cdiv(rows, block_b)),
+                _batch_rows(a_layout, batch, start, rows), values, gather_index if value_index is None else value_index,
+                seg_ptr, gather_index, y if bias is None else bias, y[start:] if start else y, rows, stride_ab, stride_ai,
+                y.stride(0), y.stride(1), HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None,
+                WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=block_b,
+            )  # fmt: skip
     elif bias is not None:
         y.copy_(bias.expand_as(y))
     return y
@@ -343,10 +366,8 @@ def spmm(
     if form == "pointer":
         return _pointer_spmm(_batch_contiguous(x), x.shape[0], values, topo.rowptr, topo.col, n_out, bias)
     if form == "patches":
-        y = _patch_spmm(_batch_contiguous(x), x.shape[0], values, topo, transposed=False)
-    else:
-        y = _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, n_out)
-    return y if bias is None else y.add_(bias)
+        return _patch_spmm(_batch_contiguous(x), x.shape[0], values, topo, transposed=False, bias=bias)
+    return _segment_spmm(x, values, topo.rowptr, topo.row, topo.col, n_out, bias=bias)
 
 
 def _spmm_t(
@@ -379,9 +400,9 @@ def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors, *, form: str | Non
 
 def _patch_spmm(
     a_layout: tuple[Tensor, int, int], batch: int, values: Tensor, topo: TopologyTensors, transposed: bool,
-    band: int | None = None,
+    band: int | None = None, bias: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """``Y = X·Wᵀ`` (``transposed=False``) or ``dX = dY·W`` by patches of ``PATCH_SEGMENTS``
+    """``Y = X·Wᵀ (+ bias)`` (``transposed=False``) or ``dX = dY·W`` by patches of ``PATCH_SEGMENTS``
     segments × ``band`` inputs (default ``PATCH_BAND``), from ``a`` as :func:`_batch_contiguous`
     lays it out: ``(B, n_out)`` in its dtype (module docstring, *The patch forms*)."""
     op = "spmm_t" if transposed else "spmm"
@@ -392,7 +413,7 @@ def _patch_spmm(
     # float32 scratch: atomics accumulate in fp32 (half-precision atomics would round per add)
     y = torch.zeros(batch, n_out, device=a_storage.device, dtype=torch.float32)
     if batch == 0 or topo.col.numel() == 0:
-        return y.to(a_storage.dtype)
+        return _rounded(y, bias, a_storage.dtype)
     if transposed:  # segments are columns, in column order
         gather, value_index = _rows_in_column_order(topo), topo.csc_perm
         band_pointers = _column_band_pointers(topo, band)
@@ -407,7 +428,7 @@ def _patch_spmm(
         stride_ab, stride_ai, INDIRECT_VALUES=value_index is not None, WHILE_LOOP=tuning.INTERPRETED,
         BLOCK_S=PATCH_SEGMENTS, BLOCK_B=block_b,
     )  # fmt: skip
-    return y.to(a_storage.dtype)
+    return _rounded(y, bias, a_storage.dtype)
 
 
 def _sddmm(
@@ -425,7 +446,8 @@ def _sddmm(
         out = dy_storage.new_zeros(nnz)
         return (out, dy_storage.new_zeros(n_out)) if bias_grad else out
     block_b = _block_b(batch)
-    form = form or spmm_form(batch, n_out, dy_storage.device)
+    # the pointer SDDMM runs one program per row whatever the batch: the rule counts rows only
+    form = form or spmm_form(1, n_out, dy_storage.device)
     out = torch.empty(nnz, device=dy_storage.device, dtype=dy_storage.dtype)
     dbias = torch.empty(n_out, device=dy_storage.device, dtype=dy_storage.dtype) if bias_grad else None
     dbias_arg = out if dbias is None else dbias  # a placeholder pointer when unused

@@ -11,8 +11,11 @@ weight at 95% sparsity and batch 1, 2, 4, …, 64 (``Y = X·Wᵀ``, ``X (B, 4096
 * ``csr`` — ``torch.sparse.mm`` on a CSR weight (cuSPARSE), with ``Xᵀ`` prepared outside the timing;
 * ``dense`` — ``X · Wᵀ`` with the dense weight (cuBLAS), the speed of light of not being sparse.
 
-Each is timed twice: ``us``, eager calls as a program makes them (host launch overhead
-included, which dominates at batch 1), and ``graph_us``, replayed from a CUDA graph (GPU time).
+Each is timed twice: ``us``, eager calls as a program makes them, and ``graph_us``, replayed from
+a CUDA graph (GPU time). Both go through ``triton.testing.do_bench``, which clears the L2 with a
+256 MiB memset before each call and times from after it: ``us`` is cold-L2 GPU time plus only
+the host work that outlasts that memset (about 80 µs on an H200), so it understates host-bound
+calls; ``snack bench --device cuda`` (``layer_bench.txt``) times eager calls by the wall clock.
 
 And, at ``--train-sparsity`` (90%) and ``--train-batch`` (1, 8, 32), one training step (forward +
 backward for input, weight and bias) of ``SparseLinear`` against ``nn.Linear``, eager and replayed
@@ -157,8 +160,13 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
         "dense_dx": lambda: grad @ weight,
         "dense_dw": lambda: grad.t() @ x,
     }
+    def sddmm_with_bias_grad(form: str) -> torch.Tensor:
+        # with the bias gradient, as a training step runs it (and as the patch variants are timed)
+        layouts = tb._batch_contiguous(grad), tb._batch_contiguous(x)
+        return tb._sddmm(*layouts, grad.shape[0], tensors, bias_grad=True, form=form)[0]
+
     for form in ("segment", "pointer"):
-        ops[f"sddmm[{form}]"] = lambda form=form: tb.sddmm(grad, x, tensors, form=form)
+        ops[f"sddmm[{form}]"] = functools.partial(sddmm_with_bias_grad, form)
     ops["spmm_t[pointer]"] = lambda: tb.spmm_t(grad, values, tensors, form="pointer")
     ops["backward[column]"] = lambda: tb.spmm_backward(grad, x, values, tensors, bias_grad=True)[0]
     # the first gradient stands for each variant's (a graph pass checks one output)
