@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import snack
+from snack.dst import algorithms
 
 WORLD = 2
 STEPS = 6
@@ -82,6 +83,72 @@ def different_seeds(rank: int) -> str:
     return "no error"
 
 
+def failure(call) -> str:
+    """What ``call()`` raised, as ``"Type: message"``, or ``"no error"``."""
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def a_bad_argument_on_one_rank(rank: int) -> str:
+    """Caught by the agreement that comes first, on every rank (the constructor's own check
+    would raise on rank 1 only, and leave rank 0 waiting)."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    return failure(lambda: snack.dst.SET(net, optimizer, total_steps=10, drop_fraction=1.5 if rank else 0.3))
+
+
+def an_update_failing_on_one_rank(rank: int) -> dict:
+    """Rank 1 runs out of memory choosing connections: every rank raises, none changes, and the
+    retry succeeds on both."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    dst = snack.dst.SET(net, optimizer, drop_fraction=0.5, update_every=1, total_steps=10, schedule="constant")
+    before = layers_state(net)
+    real = algorithms.random_grow
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    algorithms.random_grow = out_of_memory if rank == 1 else real
+    try:
+        error = failure(dst.step)
+    finally:
+        algorithms.random_grow = real
+    unchanged = all(torch.equal(a["col"], b["col"]) for a, b in zip(before, layers_state(net)))
+    return {"error": error, "unchanged": unchanged and dst.step_count == 0, "retry": dst.step(),
+            "after": layers_state(net)}
+
+
+def another_topology_on_one_rank(rank: int) -> str:
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    dst = snack.dst.SET(net, optimizer, drop_fraction=0.5, update_every=1, total_steps=10)
+    if rank == 1:  # e.g. a checkpoint of another run loaded on one rank only
+        torch.manual_seed(99)
+        other = snack.SparseLinear(12, 20, sparsity=0.7, dtype=torch.float64)
+        net[0].set_topology(other.row, other.col)
+    return failure(dst.step)
+
+
+def groups(rank: int) -> dict:
+    """A group this rank is not in is refused; ``process_group=False`` acts alone (no collective:
+    rank 0 builds and steps its own)."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    only_rank_0 = dist.new_group([0])
+    result = {"not_a_member": "skipped on rank 0"}
+    if rank == 1:
+        result["not_a_member"] = failure(lambda: snack.dst.SET(net, optimizer, total_steps=10, process_group=only_rank_0))
+    if rank == 0:
+        alone = snack.dst.SET(net, optimizer, update_every=1, total_steps=10, process_group=False)
+        result["alone_updated"] = alone.step()
+    dist.barrier()
+    return result
+
+
 def rank_zero_decides(rank: int) -> list[dict]:
     """SET without DDP, rank 1's weights scaled so its own magnitude drop would differ."""
     net = model()
@@ -104,6 +171,10 @@ def run_rank(rank: int, out: Path) -> None:
             **{f"{name}_under_ddp": train_under_ddp(rank, name) for name in ALGORITHMS},
             "different_seeds": different_seeds(rank),
             "rank_zero_decides": rank_zero_decides(rank),
+            "a_bad_argument_on_one_rank": a_bad_argument_on_one_rank(rank),
+            "an_update_failing_on_one_rank": an_update_failing_on_one_rank(rank),
+            "another_topology_on_one_rank": another_topology_on_one_rank(rank),
+            "groups": groups(rank),
         }
         torch.save(results, out / f"rank{rank}.pt")
     finally:

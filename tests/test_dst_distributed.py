@@ -66,7 +66,7 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
 
 def test_ranks_with_different_seeds_are_refused_at_construction(ranks):
     for rank in ranks:
-        assert "rank 1 differs from rank 0 in: seed" in rank["different_seeds"]
+        assert "rank 1 differs from rank 0 in: arguments (seed)" in rank["different_seeds"]
 
 
 def test_every_rank_applies_rank_zeros_choice(ranks):
@@ -74,3 +74,29 @@ def test_every_rank_applies_rank_zeros_choice(ranks):
     _assert_same_topologies(rank0, rank1)
     # rank 1's flipped weights would have dropped other connections on their own
     assert not all(torch.equal(a["values"], b["values"]) for a, b in zip(rank0, rank1))
+
+
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(ranks):
+    """Not only on that rank, which would leave the others waiting in a collective."""
+    for rank in ranks:
+        assert rank["a_bad_argument_on_one_rank"].startswith("ValueError: ")
+        assert "rank 1 differs from rank 0 in: arguments (drop_fraction)" in rank["a_bad_argument_on_one_rank"]
+
+
+def test_an_update_failing_on_one_rank_raises_on_every_rank_and_changes_none(ranks):
+    rank0, rank1 = (r["an_update_failing_on_one_rank"] for r in ranks)
+    assert rank1["error"] == "OutOfMemoryError: simulated"
+    assert rank0["error"].startswith("RuntimeError: dynamic sparse training: rank 1 failed while choosing connections")
+    assert rank0["unchanged"] and rank1["unchanged"]
+    assert rank0["retry"] and rank1["retry"]
+    _assert_same_topologies(rank0["after"], rank1["after"])
+
+
+def test_ranks_whose_topologies_drifted_apart_refuse_to_update(ranks):
+    for rank in ranks:
+        assert "the ranks disagree while starting the update" in rank["another_topology_on_one_rank"]
+
+
+def test_a_group_without_this_rank_is_refused_and_false_acts_alone(ranks):
+    assert "is not in the group it was given" in ranks[1]["groups"]["not_a_member"]
+    assert ranks[0]["groups"]["alone_updated"] is True

@@ -37,6 +37,7 @@ __all__ = ["RigL", "SET", "DynamicSparsity", "GradualPruning"]
 
 GROW_INITS = ("zero", "random")
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_ON_RANK_ZERO = object()  # RigL on several ranks: the records are gathered on rank 0, which decides
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -53,6 +54,15 @@ def _check_fraction(value, name: str) -> float:
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def _arguments(local_variables: dict) -> dict:
+    """A constructor's arguments from its ``locals()`` (``**kwargs`` spread, ``process_group``
+    always present), for :meth:`DynamicSparsity._agree_across_ranks`."""
+    arguments = {k: v for k, v in local_variables.items() if k not in ("self", "model", "optimizer", "kwargs", "__class__")}
+    arguments.update(local_variables.get("kwargs", {}))
+    arguments.setdefault("process_group", None)
+    return arguments
 
 
 def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
@@ -90,14 +100,16 @@ class DynamicSparsity:
     ``self.generator``.
 
     On several ranks (``torch.distributed`` initialized, e.g. under DDP) every rank must build it
-    with the same arguments on the same model (checked here), and call :meth:`step` on the same
-    steps; every rank then applies rank 0's update (:mod:`snack.dst.distributed`).
-    ``process_group`` picks the ranks that share the topology (default: all).
+    with the same arguments on the same model (checked first thing), call :meth:`step` on the
+    same steps and load the same state; every rank then applies rank 0's update
+    (:mod:`snack.dst.distributed`). ``process_group`` picks the ranks that share the topology
+    (default: all; ``False``: this rank alone).
     """
 
     _needs_gradient = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int, process_group=None):
+        self._agree_across_ranks(model, optimizer, dict(layers=layers, seed=seed, process_group=process_group))
         self.layers = _find_layers(model, layers)
         check_optimizer(optimizer, {name: layer.values for name, layer in self.layers})
         self.optimizer = optimizer
@@ -105,9 +117,6 @@ class DynamicSparsity:
         self.generator = torch.Generator().manual_seed(seed)
         self.step_count = 0
         self._capture = GradientCapture([layer for _, layer in self.layers]) if self._needs_gradient else None
-        self._group = distributed.resolve_group(process_group)
-        if self._group is not None:
-            distributed.check_same_on_every_rank(self._set_up(), self._group)
 
     # -------------------------------------------------------------- public
 
@@ -157,16 +166,24 @@ class DynamicSparsity:
     def _config(self) -> dict:
         raise NotImplementedError
 
-    def _set_up(self) -> dict:
-        """What must agree between ranks: algorithm, configuration, seed, each layer's topology."""
-        return {
-            "algorithm": type(self).__name__, "config": self._config(), "seed": self.seed,
-            "layers": [
-                (name, layer.out_features, layer.in_features, layer.nnz,
-                 distributed.topology_fingerprint(layer.row, layer.col, layer.in_features))
-                for name, layer in self.layers
-            ],
-        }
+    def _agree_across_ranks(self, model, optimizer, arguments: dict) -> None:
+        """Resolve the process group and, on several ranks, check that every rank was given the
+        same ``arguments``, model topology and optimizer layout: the first thing each constructor
+        does (the outermost one acts), so that its checks then fail on every rank or on none."""
+        if hasattr(self, "_group"):
+            return
+        arguments = dict(arguments)
+        self._group = distributed.resolve_group(arguments.pop("process_group"))
+        if self._group is not None:
+            distributed.check_same_on_every_rank({
+                "algorithm": type(self).__name__,
+                "arguments": {key: distributed.comparable(value, model) for key, value in arguments.items()},
+                "model": distributed.model_summary(model),
+                "optimizer": distributed.optimizer_summary(optimizer),
+            }, self._group)  # fmt: skip
+
+    def _fingerprints(self) -> list[int]:
+        return [distributed.topology_fingerprint(m.row, m.col, m.in_features) for _, m in self.layers]
 
     def _is_update_step(self, step: int) -> bool:
         raise NotImplementedError
@@ -186,25 +203,45 @@ class DynamicSparsity:
 
     def _update(self, step: int) -> bool:
         """Plan and compute every layer's rewiring, then apply them all: an error while planning
-        (a bad plan, out of memory) leaves every layer, the optimizer and the RNG as they were."""
-        for name, layer in self.layers:
-            check_state(self.optimizer, layer.values, name)
+        (a bad plan, out of memory) leaves every layer, the optimizer and the RNG as they were,
+        on every rank (the ranks agree after each phase, see :func:`distributed.agreed`)."""
         rng_state = self.generator.get_state()
         try:
-            choices = [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]
-            if self._group is not None:
-                choices = distributed.broadcast_choices(choices, self.layers[0][1].values.device, self._group)
-            rewirings = [
-                plan_rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
-                for (name, layer), (drop, grow, grow_values) in zip(self.layers, choices)
-                if drop.numel() or grow.numel()
-            ]
+            rewirings = self._rewirings(step)
         except BaseException:
             self.generator.set_state(rng_state)
             raise
         for rewiring in rewirings:
             rewiring.apply()
         return bool(rewirings)
+
+    def _rewirings(self, step: int) -> list:
+        group = self._group
+
+        def check_states() -> None:
+            for name, layer in self.layers:
+                check_state(self.optimizer, layer.values, name)
+
+        # on several ranks: the same step and topologies everywhere, before any other collective
+        check = (step, *self._fingerprints()) if group is not None else None
+        distributed.agreed(group, "starting the update (step, topologies, optimizer state)", check_states, check)
+        self._before_planning(step)
+        plan = lambda: [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]  # noqa: E731
+        choices = distributed.agreed(group, "choosing connections", plan)
+        if group is not None:
+            choices = distributed.broadcast_choices(choices, self.layers[0][1].values.device, group)
+
+        def rewire_all() -> list:
+            return [
+                plan_rewire(layer, self.optimizer, drop, grow, grow_values=grow_values, name=name)
+                for (name, layer), (drop, grow, grow_values) in zip(self.layers, choices)
+                if drop.numel() or grow.numel()
+            ]
+
+        return distributed.agreed(group, "computing the new topologies", rewire_all)
+
+    def _before_planning(self, step: int) -> None:
+        """Collective work every rank does before planning (RigL gathers its records)."""
 
 
 class _DropGrow(DynamicSparsity):
@@ -225,6 +262,7 @@ class _DropGrow(DynamicSparsity):
         seed: int = 0,
         process_group=None,
     ):
+        self._agree_across_ranks(model, optimizer, _arguments(locals()))
         drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         update_every = _check_int(update_every, "update_every", 1)
         total_steps = _check_int(total_steps, "total_steps", 1)
@@ -283,6 +321,7 @@ class SET(_DropGrow):
     """
 
     def __init__(self, model, optimizer, *, split_sign: bool = False, **kwargs):
+        self._agree_across_ranks(model, optimizer, _arguments(locals()))
         if not isinstance(split_sign, bool):
             raise TypeError(f"split_sign must be a bool, got {split_sign!r}")
         self.split_sign = split_sign
@@ -324,6 +363,8 @@ class RigL(_DropGrow):
         if k == 0:
             return _EMPTY, _EMPTY, None
         recorded = self._batches[index]
+        if recorded is _ON_RANK_ZERO:
+            return _EMPTY, _EMPTY, None  # rank 0 decides, from every rank's records
         if recorded is None:
             raise RuntimeError(
                 f"RigL update at step {step}: no gradient was recorded for layer {name!r}; run the forward and "
@@ -336,7 +377,6 @@ class RigL(_DropGrow):
         return drop, grow, self._grow_values(layer, k)
 
     def _update(self, step: int) -> bool:
-        self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
         try:
             changed = super()._update(step)
         finally:
@@ -344,17 +384,23 @@ class RigL(_DropGrow):
         self._capture.clear()
         return changed
 
-    def _recorded(self, step: int, index: int, layer: SparseLinear) -> tuple[Tensor, Tensor] | None:
-        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, from every rank."""
+    def _before_planning(self, step: int) -> None:
+        self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
+
+    def _recorded(self, step: int, index: int, layer: SparseLinear):
+        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, on several ranks
+        every rank's rows, on rank 0 (elsewhere ``_ON_RANK_ZERO``); ``None`` if no rank has any."""
         recorded = self._capture.batch(index)
         if self._group is None or self._count(step, layer) == 0:
             return recorded
         values = layer.values
         x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
                                                         values.new_empty(0, layer.out_features))
-        x = distributed.gather_rows(x.to(values.dtype), self._group)
-        dy = distributed.gather_rows(dy.to(values.dtype), self._group)
-        return (x, dy) if x.shape[0] else None
+        x, rows = distributed.gather_rows(x.to(values.dtype), self._group)
+        dy, _ = distributed.gather_rows(dy.to(values.dtype), self._group)
+        if rows == 0:
+            return None
+        return (x, dy) if distributed.is_rank_zero(self._group) else _ON_RANK_ZERO
 
 
 class GradualPruning(DynamicSparsity):
@@ -385,6 +431,7 @@ class GradualPruning(DynamicSparsity):
         seed: int = 0,
         process_group=None,
     ):
+        self._agree_across_ranks(model, optimizer, _arguments(locals()))
         final_sparsity = check_sparsity(final_sparsity, "final_sparsity")
         start_step = _check_int(start_step, "start_step", 0)
         end_step = _check_int(end_step, "end_step", start_step + 1)

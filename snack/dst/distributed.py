@@ -7,39 +7,63 @@ the gradients of ``values`` position by position, silently mixing different conn
 
 So on more than one rank the DST algorithms
 
-- check once, at construction, that every rank has the same algorithm, configuration, seed and
-  topology (:func:`check_same_on_every_rank`);
-- let RigL score growth with the gradient of the *global* batch: each rank's recorded ``X`` and
-  ``dY`` rows are gathered from every rank (:func:`gather_rows`), so ``Σ dYᵀX`` is the gradient
-  DDP averages (up to the factor ``1/world``, which does not change a top-k);
+- check first thing at construction that every rank has the same arguments, model topology
+  and optimizer layout (:func:`check_same_on_every_rank`), so that the constructor's own checks
+  then fail on every rank or on none;
+- let RigL score growth with the gradient of the *global* batch: every rank's recorded ``X`` and
+  ``dY`` rows are gathered on rank 0 (:func:`gather_rows`), so ``Σ dYᵀX`` is the gradient DDP
+  averages (up to the factor ``1/world``, which does not change a top-k);
 - apply rank 0's choice of dropped and grown connections on every rank
-  (:func:`broadcast_choices`), so floating-point ties or a rank's own RNG cannot split them.
+  (:func:`broadcast_choices`), so floating-point ties or a rank's own RNG cannot split them;
+- agree after each local phase of an update (:func:`agreed`): an error on one rank (out of
+  memory, say) raises on every rank with nothing changed on any, rather than leave the others
+  waiting in the next collective; so does a rank at another step or with another topology.
 
-Collectives run on the layers' device (CUDA tensors for NCCL, CPU for gloo).
+Collectives run on the layers' device (CUDA tensors for NCCL, CPU tensors for gloo).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["broadcast_choices", "check_same_on_every_rank", "gather_rows", "resolve_group", "topology_fingerprint"]
+__all__ = [
+    "agreed", "broadcast_choices", "check_same_on_every_rank", "comparable", "gather_rows", "is_rank_zero",
+    "model_summary", "optimizer_summary", "resolve_group", "topology_fingerprint",
+]
 
 # one layer's choice: (drop positions (k_drop,) int64, grow positions (k_grow,) int64, grow values or None)
 Choice = tuple[Tensor, Tensor, Tensor | None]
+T = TypeVar("T")
 
 
 def resolve_group(process_group):
-    """The group whose ranks share the topology: ``process_group`` itself, or when it is ``None``
-    the default group if ``torch.distributed`` is initialized; ``None`` for a single process."""
+    """The group whose ranks share the topology, or ``None`` to act alone.
+
+    ``None`` (the default): the default group when ``torch.distributed`` is initialized. A group:
+    that group (this rank must be in it). ``False``: this rank alone, e.g. independent models
+    trained side by side in one job.
+    """
+    if process_group is False:
+        return None
+    initialized = dist.is_available() and dist.is_initialized()
     if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not initialized:
             return None
         process_group = dist.group.WORLD
-    elif not (dist.is_available() and dist.is_initialized()):
+    elif not initialized:
         raise ValueError("process_group was given but torch.distributed is not initialized")
+    elif dist.get_rank(process_group) < 0:
+        raise ValueError(f"process_group: rank {dist.get_rank()} is not in the group it was given")
     return process_group if dist.get_world_size(process_group) > 1 else None
+
+
+def is_rank_zero(group) -> bool:
+    return dist.get_rank(group) == 0
 
 
 def check_same_on_every_rank(summary: dict, group) -> None:
@@ -48,13 +72,60 @@ def check_same_on_every_rank(summary: dict, group) -> None:
     dist.all_gather_object(summaries, summary, group=group)
     for rank, other in enumerate(summaries):  # every rank sees the same list, and raises alike
         if other != summaries[0]:
-            differing = sorted(key for key in other if summaries[0].get(key) != other.get(key))
+            differing = _differences(summaries[0], other)
             raise ValueError(
                 f"dynamic sparse training across {len(summaries)} ranks needs the same set-up on each, but rank "
                 f"{dist.get_global_rank(group, rank)} differs from rank {dist.get_global_rank(group, 0)} in: "
-                f"{', '.join(differing)} (give every rank the same seed and configuration, and build or load the "
-                "model identically, e.g. from one seed or one checkpoint)"
+                f"{', '.join(differing)} (give every rank the same arguments and seed, and build or load the model "
+                "and optimizer identically, e.g. from one seed or one checkpoint)"
             )
+
+
+def _differences(first: dict, other: dict) -> list[str]:
+    """The keys whose values differ, with the differing keys inside when both are dicts:
+    ``["arguments (seed)", "model"]``."""
+    found = []
+    for key in sorted(first.keys() | other.keys()):
+        a, b = first.get(key), other.get(key)
+        if a != b:
+            inner = _differences(a, b) if isinstance(a, dict) and isinstance(b, dict) else []
+            found.append(f"{key} ({', '.join(inner)})" if inner else key)
+    return found
+
+
+def comparable(value, model):
+    """``value`` (a constructor argument) in a form that compares equal across ranks when it means
+    the same: modules by their name in ``model``, numbers and strings by ``repr`` (NaN too)."""
+    if isinstance(value, (list, tuple)):
+        return [comparable(item, model) for item in value]
+    if isinstance(value, nn.Module):
+        for name, module in model.named_modules() if isinstance(model, nn.Module) else ():
+            if module is value:
+                return f"<module {name!r}>"
+        return f"<{type(value).__name__} outside the model>"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
+def model_summary(model) -> list | str:
+    """Each sparse layer's name, shape, nnz and :func:`topology_fingerprint`."""
+    from snack.nn import SparseLinear
+
+    if not isinstance(model, nn.Module):
+        return f"<{type(model).__name__}>"
+    return [
+        (name, m.out_features, m.in_features, m.nnz, topology_fingerprint(m.row, m.col, m.in_features))
+        for name, m in model.named_modules()
+        if isinstance(m, SparseLinear)
+    ]
+
+
+def optimizer_summary(optimizer) -> list | str:
+    """The optimizer's type and the shapes of its parameter groups."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"<{type(optimizer).__name__}>"
+    return [type(optimizer).__name__, [[tuple(p.shape) for p in group["params"]] for group in optimizer.param_groups]]
 
 
 def topology_fingerprint(row: Tensor, col: Tensor, in_features: int) -> int:
@@ -65,18 +136,49 @@ def topology_fingerprint(row: Tensor, col: Tensor, in_features: int) -> int:
     return int((mixed ^ (mixed >> 29)).sum()) if linear.numel() else 0
 
 
-def gather_rows(rows: Tensor, group) -> Tensor:
-    """``rows (n_r, width)`` of every rank ``r``, concatenated in rank order: ``(Σ n_r, width)``.
+def agreed(group, doing: str, compute: Callable[[], T], check=None) -> T:
+    """``compute()`` on this rank, then (on several ranks) make sure every rank succeeded with the
+    same ``check``: if one did not, every rank raises (that rank its own error), so none goes on
+    to a collective the others never reach. ``doing`` names the phase for the message."""
+    try:
+        result, error = compute(), None
+    except Exception as caught:  # reported to the other ranks, then raised here
+        result, error = None, caught
+    if group is None:
+        if error is not None:
+            raise error
+        return result
+    reports: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (None if error is None else f"{type(error).__name__}: {error}", check), group=group)
+    if error is not None:
+        raise error
+    for rank, (failure, other_check) in enumerate(reports):
+        who = f"rank {dist.get_global_rank(group, rank)}"
+        if failure is not None:
+            raise RuntimeError(f"dynamic sparse training: {who} failed while {doing} ({failure}); no rank changed")
+        if other_check != reports[0][1]:
+            raise RuntimeError(
+                f"dynamic sparse training: the ranks disagree while {doing}: {who} has {other_check}, rank "
+                f"{dist.get_global_rank(group, 0)} {reports[0][1]}. Every rank must call dst.step() on the same "
+                "steps and load the same DST state; no rank changed"
+            )
+    return result
 
-    Ranks may hold different numbers of rows (an uneven last batch, a rank with none)."""
+
+def gather_rows(rows: Tensor, group) -> tuple[Tensor | None, int]:
+    """``(rows of every rank concatenated in rank order (Σ n_r, width) on rank 0 (None on the
+    others), Σ n_r on every rank)`` for this rank's ``rows (n_r, width)``; ranks may hold
+    different numbers of rows (an uneven last batch, a rank with none)."""
     counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device), group=group)
     counts = [int(c) for c in counts]
     padded = rows.new_zeros(max(counts), rows.shape[1])
     padded[: rows.shape[0]] = rows
-    gathered = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
-    return torch.cat([part[:count] for part, count in zip(gathered, counts)])
+    receive = [torch.empty_like(padded) for _ in counts] if is_rank_zero(group) else None
+    dist.gather(padded, receive, dst=dist.get_global_rank(group, 0), group=group)
+    if receive is None:
+        return None, sum(counts)
+    return torch.cat([part[:count] for part, count in zip(receive, counts)]), sum(counts)
 
 
 def broadcast_choices(choices: list[Choice], device: torch.device, group) -> list[Choice]:
