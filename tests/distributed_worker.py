@@ -141,7 +141,8 @@ def groups(rank: int) -> dict:
     only_rank_0 = dist.new_group([0])
     result = {"not_a_member": "skipped on rank 0"}
     if rank == 1:
-        result["not_a_member"] = failure(lambda: snack.dst.SET(net, optimizer, total_steps=10, process_group=only_rank_0))
+        set_up = lambda: snack.dst.SET(net, optimizer, total_steps=10, process_group=only_rank_0)  # noqa: E731
+        result["not_a_member"] = failure(set_up)
     if rank == 0:
         alone = snack.dst.SET(net, optimizer, update_every=1, total_steps=10, process_group=False)
         result["alone_updated"] = alone.step()

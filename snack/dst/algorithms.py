@@ -59,7 +59,8 @@ def _check_fraction(value, name: str) -> float:
 def _arguments(local_variables: dict) -> dict:
     """A constructor's arguments from its ``locals()`` (``**kwargs`` spread, ``process_group``
     always present), for :meth:`DynamicSparsity._agree_across_ranks`."""
-    arguments = {k: v for k, v in local_variables.items() if k not in ("self", "model", "optimizer", "kwargs", "__class__")}
+    skipped = ("self", "model", "optimizer", "kwargs", "__class__")
+    arguments = {k: v for k, v in local_variables.items() if k not in skipped}
     arguments.update(local_variables.get("kwargs", {}))
     arguments.setdefault("process_group", None)
     return arguments
@@ -224,7 +225,8 @@ class DynamicSparsity:
 
         # on several ranks: the same step and topologies everywhere, before any other collective
         check = (step, *self._fingerprints()) if group is not None else None
-        distributed.agreed(group, "starting the update (step, topologies, optimizer state)", check_states, check)
+        starting = "starting the update (step, a fingerprint of each layer's topology, optimizer state)"
+        distributed.agreed(group, starting, check_states, check)
         self._before_planning(step)
         plan = lambda: [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]  # noqa: E731
         choices = distributed.agreed(group, "choosing connections", plan)

@@ -334,8 +334,9 @@ def _pointer_spmm(
             tuning.launch(
                 "pointer_spmm", (n_out, _cdiv(rows, block_b)),
                 _batch_rows(a_layout, batch, start, rows), values, gather_index if value_index is None else value_index,
-                seg_ptr, gather_index, y if bias is None else bias, y[start:] if start else y, rows, stride_ab, stride_ai,
-                y.stride(0), y.stride(1), HAS_BIAS=bias is not None, INDIRECT_VALUES=value_index is not None,
+                seg_ptr, gather_index, y if bias is None else bias, y[start:] if start else y, rows,
+                stride_ab, stride_ai, y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
+                INDIRECT_VALUES=value_index is not None,
                 WHILE_LOOP=tuning.INTERPRETED, BLOCK_B=block_b,
             )  # fmt: skip
     elif bias is not None:
