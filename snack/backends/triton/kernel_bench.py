@@ -160,6 +160,7 @@ def _step_ops(x, grad, values, tensors, weight) -> dict:
         "dense_dx": lambda: grad @ weight,
         "dense_dw": lambda: grad.t() @ x,
     }
+
     def sddmm_with_bias_grad(form: str) -> torch.Tensor:
         # with the bias gradient, as a training step runs it (and as the patch variants are timed)
         layouts = tb._batch_contiguous(grad), tb._batch_contiguous(x)
