@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snack import backends
+from snack import backends, func
 from snack.topology import Topology, TopologyTensors
 
 __all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
@@ -276,20 +276,28 @@ def _topology_tensors(caller: str, topology: Topology) -> TopologyTensors:
 
 def spmm(x: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``Y = X · Wᵀ`` for ``x (B, in)``; returns ``(B, out)``. Differentiable in ``x`` and ``values``."""
-    tensors = _topology_tensors("snack.ops.spmm", topology)
-    return torch.ops.snack.spmm(*_autocast_pair(x, values), *tensors)
+    return _public_op("spmm", func.Spmm, x, values, topology)
 
 
 def spmm_t(dy: Tensor, values: Tensor, topology: Topology) -> Tensor:
     """``dX = dY · W`` for ``dy (B, out)``; returns ``(B, in)``."""
-    tensors = _topology_tensors("snack.ops.spmm_t", topology)
-    return torch.ops.snack.spmm_t(*_autocast_pair(dy, values), *tensors)
+    return _public_op("spmm_t", func.SpmmT, dy, values, topology)
 
 
 def sddmm(dy: Tensor, x: Tensor, topology: Topology) -> Tensor:
     """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]`` for ``dy (B, out)``, ``x (B, in)``; returns ``(nnz,)``."""
-    tensors = _topology_tensors("snack.ops.sddmm", topology)
-    return torch.ops.snack.sddmm(*_autocast_pair(dy, x), *tensors)
+    return _public_op("sddmm", func.Sddmm, dy, x, topology)
+
+
+def _public_op(name: str, function, a: Tensor, b: Tensor, topology: Topology) -> Tensor:
+    """``snack::<name>`` on the autocast arguments, or inside a ``torch.func`` transform the
+    :mod:`snack.func` ``function`` (the custom ops do not compose with transforms)."""
+    tensors = _topology_tensors(f"snack.ops.{name}", topology)
+    a, b = _autocast_pair(a, b)
+    if func.transforms_active():
+        _check(name, a, b, tensors)
+        return function.apply(a, b, tensors)
+    return getattr(torch.ops.snack, name)(a, b, *tensors)
 
 
 def _autocast_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -400,6 +408,10 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
     if torch.compiler.is_compiling():
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
+        if bias is not None:
+            y = y + bias
+    elif func.transforms_active():  # torch.func.grad, vmap, ...: Functions that compose with them
+        y = func.Spmm.apply(x2d, values, topology.tensors())
         if bias is not None:
             y = y + bias
     elif torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)):
