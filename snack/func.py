@@ -10,8 +10,9 @@ sparse), a ``jvp`` (forward mode), and a ``vmap`` rule:
 * a vmapped dense input with unbatched ``values`` (per-sample gradients, a batch of batches) is
   folded into the op's own batch: one kernel call;
 * vmapped ``values`` (an ensemble of weights on one topology) run one call per weight set;
-* the SDDMM of vmapped ``dy``/``x`` (per-sample weight gradients) is one gather-multiply-sum
-  over ``(V, B, nnz)``, summed in float32 for half precision as the kernels do.
+* the SDDMM of vmapped ``dy``/``x`` is, with one row per pair (per-sample weight gradients), one
+  gather-multiply over ``(V, 1, nnz)``, summed in float32 for half precision as the kernels do;
+  with more rows, one kernel call per pair.
 
 Shapes are those of :mod:`snack.ops`; ``topo`` is a :class:`snack.topology.TopologyTensors`,
 never vmapped.
@@ -52,15 +53,33 @@ def _product_vmap(function, info, in_dims, dense: Tensor, values: Tensor, topo: 
     dense_dim, values_dim = in_dims[0], in_dims[1]
     if values_dim is None:  # fold the vmapped dimension into the batch: one call
         dense = dense.movedim(dense_dim, 0)
-        size, batch = dense.shape[:2]
-        out = function.apply(dense.reshape(size * batch, -1), values, topo)
-        return out.view(size, batch, -1), 0
+        size, batch, width = dense.shape
+        out = function.apply(dense.reshape(size * batch, width), values, topo)
+        return out.view(size, batch, out.shape[-1]), 0
     dense = _batched_first(dense, dense_dim, info.batch_size)
     values = values.movedim(values_dim, 0)
     return torch.stack([function.apply(d, v, topo) for d, v in zip(dense, values)]), 0
 
 
-class Spmm(Function):
+def _total(terms: list[Tensor]) -> Tensor:
+    """The sum of a jvp's terms (one per input with a tangent; at least one has one)."""
+    return sum(terms[1:], terms[0])
+
+
+class _SparseOp(Function):
+    """What the three ops share: both dense arguments saved for backward and forward mode, the
+    topology, and the backend :func:`snack.use_backend` forced at forward time, which their
+    backward and jvp restore (they may run after the ``with`` block)."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        a, b, topo = inputs
+        ctx.save_for_backward(a, b)
+        ctx.save_for_forward(a, b)
+        ctx.topo, ctx.forced = topo, backends.forced_backend()
+
+
+class Spmm(_SparseOp):
     """``y (B, out) = x (B, in) · Wᵀ`` with ``W`` given by ``values (nnz,)`` on ``topo``."""
 
     @staticmethod
@@ -68,32 +87,27 @@ class Spmm(Function):
         return _backend(x.device).spmm(x.contiguous(), values.contiguous(), topo)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, values, topo = inputs
-        ctx.save_for_backward(x, values)
-        ctx.save_for_forward(x, values)
-        ctx.topo = topo
-
-    @staticmethod
     def backward(ctx, dy: Tensor):
         x, values = ctx.saved_tensors
-        dx = SpmmT.apply(dy, values, ctx.topo) if ctx.needs_input_grad[0] else None
-        dvalues = Sddmm.apply(dy, x, ctx.topo) if ctx.needs_input_grad[1] else None
+        with backends.forcing(ctx.forced):
+            dx = SpmmT.apply(dy, values, ctx.topo) if ctx.needs_input_grad[0] else None
+            dvalues = Sddmm.apply(dy, x, ctx.topo) if ctx.needs_input_grad[1] else None
         return dx, dvalues, None
 
     @staticmethod
     def jvp(ctx, x_tangent: Tensor | None, values_tangent: Tensor | None, _):
         x, values = ctx.saved_tensors
-        terms = [Spmm.apply(t, values, ctx.topo) for t in (x_tangent,) if t is not None]
-        terms += [Spmm.apply(x, t, ctx.topo) for t in (values_tangent,) if t is not None]
-        return sum(terms[1:], terms[0])
+        with backends.forcing(ctx.forced):
+            terms = [Spmm.apply(t, values, ctx.topo) for t in (x_tangent,) if t is not None]
+            terms += [Spmm.apply(x, t, ctx.topo) for t in (values_tangent,) if t is not None]
+        return _total(terms)
 
     @staticmethod
     def vmap(info, in_dims, x, values, topo):
         return _product_vmap(Spmm, info, in_dims, x, values, topo)
 
 
-class SpmmT(Function):
+class SpmmT(_SparseOp):
     """``dx (B, in) = dy (B, out) · W``."""
 
     @staticmethod
@@ -101,32 +115,27 @@ class SpmmT(Function):
         return _backend(dy.device).spmm_t(dy.contiguous(), values.contiguous(), topo)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        dy, values, topo = inputs
-        ctx.save_for_backward(dy, values)
-        ctx.save_for_forward(dy, values)
-        ctx.topo = topo
-
-    @staticmethod
     def backward(ctx, grad: Tensor):
         dy, values = ctx.saved_tensors
-        ddy = Spmm.apply(grad, values, ctx.topo) if ctx.needs_input_grad[0] else None
-        dvalues = Sddmm.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
+        with backends.forcing(ctx.forced):
+            ddy = Spmm.apply(grad, values, ctx.topo) if ctx.needs_input_grad[0] else None
+            dvalues = Sddmm.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
         return ddy, dvalues, None
 
     @staticmethod
     def jvp(ctx, dy_tangent: Tensor | None, values_tangent: Tensor | None, _):
         dy, values = ctx.saved_tensors
-        terms = [SpmmT.apply(t, values, ctx.topo) for t in (dy_tangent,) if t is not None]
-        terms += [SpmmT.apply(dy, t, ctx.topo) for t in (values_tangent,) if t is not None]
-        return sum(terms[1:], terms[0])
+        with backends.forcing(ctx.forced):
+            terms = [SpmmT.apply(t, values, ctx.topo) for t in (dy_tangent,) if t is not None]
+            terms += [SpmmT.apply(dy, t, ctx.topo) for t in (values_tangent,) if t is not None]
+        return _total(terms)
 
     @staticmethod
     def vmap(info, in_dims, dy, values, topo):
         return _product_vmap(SpmmT, info, in_dims, dy, values, topo)
 
 
-class Sddmm(Function):
+class Sddmm(_SparseOp):
     """``out (nnz,)[k] = Σ_b dy[b, row_k] · x[b, col_k]``."""
 
     @staticmethod
@@ -134,30 +143,27 @@ class Sddmm(Function):
         return _backend(dy.device).sddmm(dy.contiguous(), x.contiguous(), topo)
 
     @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        dy, x, topo = inputs
-        ctx.save_for_backward(dy, x)
-        ctx.save_for_forward(dy, x)
-        ctx.topo = topo
-
-    @staticmethod
     def backward(ctx, grad: Tensor):
         dy, x = ctx.saved_tensors
-        ddy = Spmm.apply(x, grad, ctx.topo) if ctx.needs_input_grad[0] else None
-        dx = SpmmT.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
+        with backends.forcing(ctx.forced):
+            ddy = Spmm.apply(x, grad, ctx.topo) if ctx.needs_input_grad[0] else None
+            dx = SpmmT.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
         return ddy, dx, None
 
     @staticmethod
     def jvp(ctx, dy_tangent: Tensor | None, x_tangent: Tensor | None, _):
         dy, x = ctx.saved_tensors
-        terms = [Sddmm.apply(t, x, ctx.topo) for t in (dy_tangent,) if t is not None]
-        terms += [Sddmm.apply(dy, t, ctx.topo) for t in (x_tangent,) if t is not None]
-        return sum(terms[1:], terms[0])
+        with backends.forcing(ctx.forced):
+            terms = [Sddmm.apply(t, x, ctx.topo) for t in (dy_tangent,) if t is not None]
+            terms += [Sddmm.apply(dy, t, ctx.topo) for t in (x_tangent,) if t is not None]
+        return _total(terms)
 
     @staticmethod
     def vmap(info, in_dims, dy, x, topo):
-        # per vmapped pair, Σ over its batch of the products at the non-zeros: (V, B, nnz) gathers
         dy, x = (_batched_first(t, d, info.batch_size) for t, d in zip((dy, x), in_dims[:2]))
+        if dy.shape[1] > 1:  # a kernel call per vmapped pair: no (V, B, nnz) intermediate
+            return torch.stack([Sddmm.apply(d, x_, topo) for d, x_ in zip(dy, x)]), 0
+        # one row per pair (per-sample gradients): one gather-multiply over (V, 1, nnz)
         accumulate = torch.float32 if dy.dtype in (torch.float16, torch.bfloat16) else dy.dtype
         products = dy[..., topo.row].to(accumulate) * x[..., topo.col].to(accumulate)
         return products.sum(1).to(dy.dtype), 0

@@ -186,6 +186,12 @@ class SparseLinear(nn.Module):
                 cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
             return cached
         if cached is None or not _built_from(self._topology_key, row, col):
+            if _is_batched(row) or _is_batched(col):
+                raise ValueError(
+                    "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's members "
+                    "must share one topology: vmap over the parameters only and pass the buffers unbatched "
+                    "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
+                )
             cached = Topology(row, col, (self.out_features, self.in_features))
             self._topology, self._topology_key = cached, _buffers_key(row, col)
         return cached
@@ -326,6 +332,11 @@ class SparseLinear(nn.Module):
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
         super().__setstate__(state)
+
+
+def _is_batched(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is vmapped (a ``torch.func.vmap`` BatchedTensor)."""
+    return torch._C._functorch.is_batchedtensor(tensor)
 
 
 def _reject_meta(device: torch.device) -> None:

@@ -38,11 +38,15 @@ from snack.topology import Topology, TopologyTensors
 __all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
 
 
+# the names of each op's two dense arguments, for error messages
+_ARGUMENT_NAMES = {"spmm": ("x", "values"), "spmm_t": ("dy", "values"), "sddmm": ("dy", "x")}
+
+
 def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors) -> None:
     """Shape/dtype/device checks shared by the real and fake kernels of every op."""
     out_features, in_features = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
     nnz = topo.row.numel()
-    names = {"spmm": ("x", "values"), "spmm_t": ("dy", "values"), "sddmm": ("dy", "x")}[op]
+    names = _ARGUMENT_NAMES[op]
     expected_width = {"spmm": in_features, "spmm_t": out_features, "sddmm": out_features}[op]
     a_name, b_name = names
     if dense_a.dim() != 2 or dense_a.shape[1] != expected_width:
@@ -295,6 +299,9 @@ def _public_op(name: str, function, a: Tensor, b: Tensor, topology: Topology) ->
     tensors = _topology_tensors(f"snack.ops.{name}", topology)
     a, b = _autocast_pair(a, b)
     if func.transforms_active():
+        for argument, value in zip(_ARGUMENT_NAMES[name], (a, b)):
+            if not isinstance(value, Tensor):
+                raise TypeError(f"snack.ops.{name}: {argument} must be a Tensor, got {type(value).__name__}")
         _check(name, a, b, tensors)
         return function.apply(a, b, tensors)
     return getattr(torch.ops.snack, name)(a, b, *tensors)

@@ -22,6 +22,7 @@ Nothing in this module allocates a tensor with ``out × in`` elements, except
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import NamedTuple
@@ -246,8 +247,8 @@ class Topology:
         if validate:
             validate_coo(row, col, shape)
         # contiguous, as the native kernels need (no copy when they already are, as a layer's are)
-        self.row = row.to(INDEX_DTYPE).contiguous()
-        self.col = col.to(INDEX_DTYPE).contiguous()
+        self.row = _derived(lambda: row.to(INDEX_DTYPE).contiguous())
+        self.col = _derived(lambda: col.to(INDEX_DTYPE).contiguous())
         self.shape = shape
         self._rowptr: Tensor | None = None
         self._csc_perm: Tensor | None = None
@@ -302,13 +303,18 @@ class Topology:
 
 
 def _derived(build) -> Tensor:
-    """``build()``, as a normal tensor even inside ``torch.inference_mode``: the cache outlives
-    the region, and a later training step must be able to save it for backward (an inference
-    tensor cannot be)."""
+    """``build()``, as a normal tensor even inside ``torch.inference_mode`` or a ``torch.func``
+    transform: the cache outlives the region. A later training step must be able to save it for
+    backward (an inference tensor cannot be), and a later transform must not meet a tensor
+    wrapped for one that has ended (PyTorch fails an internal assert)."""
     # (Dynamo cannot trace is_inference_mode_enabled(); a traced region is not in inference mode.)
-    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+    if torch.compiler.is_compiling():
         return build()
-    with torch.inference_mode(False):
+    with contextlib.ExitStack() as regions:
+        if torch.is_inference_mode_enabled():
+            regions.enter_context(torch.inference_mode(False))
+        if torch._C._are_functorch_transforms_active():
+            regions.enter_context(torch._C._DisableFuncTorch())
         return build()
 
 

@@ -159,3 +159,63 @@ def test_outside_transforms_the_layer_keeps_its_fast_path(monkeypatch):
     layer, (x, _) = _model()[0], _data()
     layer(x).sum().backward()
     assert not func.transforms_active()
+
+
+def test_a_topology_first_built_inside_a_transform_serves_later_ones():
+    """Its cached index tensors used to be wrapped for the transform that built them, and a
+    later nested transform failed an internal PyTorch assert."""
+    layer, (x, _) = _model()[0], _data()
+    grad(lambda x: layer(x).sum())(x)  # a fresh layer: its topology is built inside grad
+    assert not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in layer.topology.tensors())
+    hessian = torch.func.hessian(lambda x: torch.tanh(layer(x)).sum())(x[:2])
+    assert hessian.shape == (2, 6, 2, 6)
+
+
+def test_vmap_over_empty_batches():
+    layer = _model()[0]
+    assert vmap(layer)(torch.randn(4, 0, 6, dtype=DTYPE)).shape == (4, 0, 5)
+    assert vmap(layer)(torch.randn(0, 3, 6, dtype=DTYPE)).shape == (0, 3, 5)
+
+
+def test_per_group_gradients_with_several_rows_each():
+    """vmap(grad) over groups of 3 examples: the SDDMM of several rows per vmapped pair."""
+    model, (x, y) = _model(), _data(12)
+    per_group = vmap(grad(_loss_of(model)), in_dims=(None, 0, 0))(_params(model), x.view(4, 3, 6), y.view(4, 3))
+    for group in range(4):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[3 * group : 3 * group + 3]), y[3 * group : 3 * group + 3]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(per_group[name][group], p.grad, rtol=0, atol=1e-12)
+
+
+def test_vmapped_buffers_get_a_clear_error():
+    """torch.func.stack_module_state stacks the buffers too; members must share one topology."""
+    members = [_model()[0] for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    x = _data()[0]
+
+    def run(params, buffers):
+        return functional_call(members[0], (params, buffers), (x,))
+
+    with pytest.raises(ValueError, match="vmap over a layer's topology"):
+        vmap(run)(params, buffers)
+    assert vmap(run, in_dims=(0, None))(params, dict(members[0].named_buffers())).shape == (3, 8, 5)
+
+
+def test_a_backward_after_the_use_backend_block_runs_on_its_backend(monkeypatch):
+    calls = []
+    reference = snack.backends.get_backend("reference")
+    monkeypatch.setattr(reference, "sddmm", lambda *args, real=reference.sddmm: calls.append(1) or real(*args))
+    layer, (x, _) = _model()[0], _data()
+    buffers = dict(layer.named_buffers())
+    with snack.use_backend("reference"):
+        _, vjp_fn = torch.func.vjp(lambda v: functional_call(layer, ({"values": v, "bias": layer.bias}, buffers), (x,)),
+                                   layer.values.detach())
+    vjp_fn(torch.ones(8, 5, dtype=DTYPE))
+    assert calls == [1]
+
+
+def test_a_non_tensor_argument_inside_a_transform_is_a_type_error():
+    layer, (x, _) = _model()[0], _data()
+    with pytest.raises(TypeError, match="snack.ops.spmm: x must be a Tensor, got list"):
+        grad(lambda v: snack.ops.spmm(x.tolist(), v, layer.topology).sum())(layer.values.detach())

@@ -33,7 +33,9 @@ from torch import Tensor
 from snack.backends.derived import derived
 from snack.topology import TopologyTensors
 
-__all__ = ["BuildError", "build", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+__all__ = [
+    "BuildError", "build", "forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports",
+]
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
