@@ -61,9 +61,22 @@ def _product_vmap(function, info, in_dims, dense: Tensor, values: Tensor, topo: 
     return torch.stack([function.apply(d, v, topo) for d, v in zip(dense, values)]), 0
 
 
-def _total(terms: list[Tensor]) -> Tensor:
-    """The sum of a jvp's terms (one per input with a tangent; at least one has one)."""
-    return sum(terms[1:], terms[0])
+def _gradients(ctx, grad_a, grad_b) -> tuple:
+    """The backward of an op ``f(a, b, topo)``: ``grad_a(a, b)`` and ``grad_b(a, b)`` where
+    needed, on the backend forced at forward time."""
+    a, b = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    with backends.forcing(ctx.forced):
+        return grad_a(a, b) if need_a else None, grad_b(a, b) if need_b else None, None
+
+
+def _bilinear_jvp(op, ctx, a_tangent: Tensor | None, b_tangent: Tensor | None) -> Tensor:
+    """Every op is bilinear in its two dense arguments: ``d op(a, b) = op(da, b) + op(a, db)``."""
+    a, b = ctx.saved_tensors
+    with backends.forcing(ctx.forced):
+        terms = [op.apply(t, b, ctx.topo) for t in (a_tangent,) if t is not None]
+        terms += [op.apply(a, t, ctx.topo) for t in (b_tangent,) if t is not None]
+    return sum(terms[1:], terms[0])  # at least one argument has a tangent
 
 
 class _SparseOp(Function):
@@ -88,19 +101,12 @@ class Spmm(_SparseOp):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, values = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            dx = SpmmT.apply(dy, values, ctx.topo) if ctx.needs_input_grad[0] else None
-            dvalues = Sddmm.apply(dy, x, ctx.topo) if ctx.needs_input_grad[1] else None
-        return dx, dvalues, None
+        dx = lambda x, values: SpmmT.apply(dy, values, ctx.topo)  # noqa: E731
+        return _gradients(ctx, dx, lambda x, values: Sddmm.apply(dy, x, ctx.topo))
 
     @staticmethod
-    def jvp(ctx, x_tangent: Tensor | None, values_tangent: Tensor | None, _):
-        x, values = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            terms = [Spmm.apply(t, values, ctx.topo) for t in (x_tangent,) if t is not None]
-            terms += [Spmm.apply(x, t, ctx.topo) for t in (values_tangent,) if t is not None]
-        return _total(terms)
+    def jvp(ctx, x_tangent, values_tangent, _):
+        return _bilinear_jvp(Spmm, ctx, x_tangent, values_tangent)
 
     @staticmethod
     def vmap(info, in_dims, x, values, topo):
@@ -116,19 +122,12 @@ class SpmmT(_SparseOp):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        dy, values = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            ddy = Spmm.apply(grad, values, ctx.topo) if ctx.needs_input_grad[0] else None
-            dvalues = Sddmm.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
-        return ddy, dvalues, None
+        ddy = lambda dy, values: Spmm.apply(grad, values, ctx.topo)  # noqa: E731
+        return _gradients(ctx, ddy, lambda dy, values: Sddmm.apply(dy, grad, ctx.topo))
 
     @staticmethod
-    def jvp(ctx, dy_tangent: Tensor | None, values_tangent: Tensor | None, _):
-        dy, values = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            terms = [SpmmT.apply(t, values, ctx.topo) for t in (dy_tangent,) if t is not None]
-            terms += [SpmmT.apply(dy, t, ctx.topo) for t in (values_tangent,) if t is not None]
-        return _total(terms)
+    def jvp(ctx, dy_tangent, values_tangent, _):
+        return _bilinear_jvp(SpmmT, ctx, dy_tangent, values_tangent)
 
     @staticmethod
     def vmap(info, in_dims, dy, values, topo):
@@ -144,19 +143,13 @@ class Sddmm(_SparseOp):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        dy, x = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            ddy = Spmm.apply(x, grad, ctx.topo) if ctx.needs_input_grad[0] else None
-            dx = SpmmT.apply(dy, grad, ctx.topo) if ctx.needs_input_grad[1] else None
-        return ddy, dx, None
+        # grad is (nnz,): the values of a sparse W, so d/d dy = x·Wᵀ and d/dx = dy·W
+        ddy = lambda dy, x: Spmm.apply(x, grad, ctx.topo)  # noqa: E731
+        return _gradients(ctx, ddy, lambda dy, x: SpmmT.apply(dy, grad, ctx.topo))
 
     @staticmethod
-    def jvp(ctx, dy_tangent: Tensor | None, x_tangent: Tensor | None, _):
-        dy, x = ctx.saved_tensors
-        with backends.forcing(ctx.forced):
-            terms = [Sddmm.apply(t, x, ctx.topo) for t in (dy_tangent,) if t is not None]
-            terms += [Sddmm.apply(dy, t, ctx.topo) for t in (x_tangent,) if t is not None]
-        return _total(terms)
+    def jvp(ctx, dy_tangent, x_tangent, _):
+        return _bilinear_jvp(Sddmm, ctx, dy_tangent, x_tangent)
 
     @staticmethod
     def vmap(info, in_dims, dy, x, topo):
