@@ -47,3 +47,13 @@ def test_dynamic_sparse_training_example():
     exec(code.replace("update_every=100", "update_every=2"), namespace)  # updates within 6 steps
     assert namespace["dst"].step_count == len(data)
     assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
+
+
+def test_per_sample_gradients_example():
+    namespace = {"torch": torch, "snack": snack}
+    exec(_block("from torch.func import"), namespace)
+    model, per_sample = namespace["model"], namespace["per_sample"]
+    assert per_sample["0.values"].shape == (32, model[0].nnz)
+    x, y = namespace["x"], namespace["y"]
+    nn.functional.cross_entropy(model(x[:1]), y[:1]).backward()  # the first sample's own gradient
+    torch.testing.assert_close(per_sample["0.values"][0], model[0].values.grad)
