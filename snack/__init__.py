@@ -1,7 +1,9 @@
 """snack: truly sparse neural networks for PyTorch.
 
 Layers store and compute only their non-zero connections, train with sparse backpropagation,
-and can rewire during training, without ever building a dense weight, mask or gradient.
+and can rewire during training, without ever building a dense weight, mask or gradient
+(RigL's growth scores are formed in blocks of at most 2**20 entries: only a layer that small
+has its whole gradient formed at once).
 """
 
 from snack import dst, ops

@@ -1,7 +1,8 @@
 """Dynamic Sparse Training on truly sparse layers: SET, RigL, gradual pruning.
 
-Connections are pruned and regrown in the sparse format itself; no dense weight, mask or
-gradient is ever built. Usage::
+Connections are pruned and regrown in the sparse format itself; no dense weight or mask is
+ever built, and RigL forms its gradient scores in blocks of at most 2**20 entries (the whole
+gradient only for a layer that small). Usage::
 
     model = snack.sparsify(net, sparsity=0.9, distribution="erk")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
