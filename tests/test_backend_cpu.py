@@ -500,3 +500,16 @@ def test_sanitized_builds_are_cached_apart_and_need_the_runtime_preloaded(monkey
     monkeypatch.setenv("SNACK_CPU_SANITIZE", "thread")
     with pytest.raises(cpu.BuildError, match=r"SNACK_CPU_SANITIZE must be one of \['address'\] or unset, got 'thread'"):
         cpu._build_spec()
+
+
+def test_prune_deletes_only_builds_this_source_would_never_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path))
+    current = [cpu._library(isa, sanitizer)[0] for isa in ("AVX512", "DEFAULT") for sanitizer in (None, "address")]
+    stale = ["snack_cpu_avx512_000000000000", "snack_cpu_avx2_address_111111111111"]
+    for name in current + stale + ["unrelated"]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lib.so").write_bytes(b"x")
+    assert sorted(path.name for path in cpu.prune()) == sorted(stale)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*current, "unrelated"])
+    # what this process loads is among the kept names
+    assert cpu._build_spec()[0] == cpu._library(torch.backends.cpu.get_cpu_capability(), cpu._sanitizer())[0]
