@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.autograd import Function, forward_ad
 
 from snack import backends
+from snack.backends import reference
 from snack.topology import TopologyTensors
 
 __all__ = ["Sddmm", "Spmm", "SpmmT", "transforms_active"]
@@ -157,6 +158,4 @@ class Sddmm(_SparseOp):
         if dy.shape[1] > 1:  # a kernel call per vmapped pair: no (V, B, nnz) intermediate
             return torch.stack([Sddmm.apply(d, x_, topo) for d, x_ in zip(dy, x)]), 0
         # one row per pair (per-sample gradients): one gather-multiply over (V, 1, nnz)
-        accumulate = torch.float32 if dy.dtype in (torch.float16, torch.bfloat16) else dy.dtype
-        products = dy[..., topo.row].to(accumulate) * x[..., topo.col].to(accumulate)
-        return products.sum(1).to(dy.dtype), 0
+        return reference.sddmm(dy, x, topo), 0

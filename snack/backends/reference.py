@@ -38,6 +38,8 @@ def spmm_t(dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
 
 
 def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
-    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``; ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``."""
+    """``out[k] = Σ_b dy[b, row_k] · x[b, col_k]``; ``dy (B, out)``, ``x (B, in)`` → ``(nnz,)``;
+    with leading dimensions, ``dy (*, B, out)``, ``x (*, B, in)`` → ``(*, nnz)`` (``snack.func``'s
+    vmap rule)."""
     acc = _accumulation_dtype(dy.dtype)
-    return (dy[:, topo.row].to(acc) * x[:, topo.col].to(acc)).sum(0).to(dy.dtype)
+    return (dy[..., topo.row].to(acc) * x[..., topo.col].to(acc)).sum(-2).to(dy.dtype)
