@@ -179,6 +179,10 @@ class SparseLinear(nn.Module):
         changed in place under ``torch.inference_mode`` is not noticed.)
         """
         row, col, cached = self.row, self.col, self._topology
+        if torch.jit.is_tracing():
+            # a fresh, uncached topology: the trace then records how the derived data follow from
+            # row and col, the same ops in every trace (torch.jit.trace compares two)
+            return Topology(row, col, (self.out_features, self.in_features), validate=False)
         if torch.compiler.is_compiling():
             # Dynamo cannot trace is_inference(): traced code relies on the explicit resets
             # (set_topology, load_state_dict, .to()) alone.

@@ -413,7 +413,8 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
     (:class:`snack.SparseLinear` checks its input, and its own tensors are consistent)."""
     out_features, in_features = topology.shape
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
-    if torch.compiler.is_compiling():
+    # torch.compile and torch.jit.trace record the custom op (with its registered autograd)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
         if bias is not None:
             y = y + bias

@@ -97,6 +97,40 @@ def test_torch_compile_fullgraph_matches_eager(compiled_first):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the layer's input-shape check
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_torch_jit_trace_matches_eager_and_saves(tmp_path):
+    """A traced model records the custom op and how the derived index data follow from row/col."""
+    layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
+    model = nn.Sequential(layer, nn.ReLU())
+    x = torch.randn(5, 10, requires_grad=True)
+    traced = torch.jit.trace(model, x)
+    torch.jit.save(traced, tmp_path / "model.pt")
+    loaded = torch.jit.load(tmp_path / "model.pt")
+    for batch in (5, 1, 7):
+        x = torch.randn(batch, 10, requires_grad=True)
+        pre_activation = dense_forward_and_grads(layer, x, torch.ones(batch, 12))[0]
+        for module in (traced, loaded):
+            torch.testing.assert_close(module(x), pre_activation.relu())
+        y = traced(x)
+        got = torch.autograd.grad(y, (x, layer.values, layer.bias), torch.ones_like(y))
+        expected = dense_forward_and_grads(layer, x, (pre_activation > 0).to(x.dtype))[1:]
+        for got_grad, expected_grad in zip(got, expected):
+            torch.testing.assert_close(got_grad, expected_grad)
+
+
+def test_torch_export_with_dynamic_batch_matches_eager(tmp_path):
+    """``torch.export`` records the custom op; the program survives a save and load."""
+    layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(layer, (torch.randn(5, 10),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, tmp_path / "layer.pt2")
+    loaded = torch.export.load(tmp_path / "layer.pt2").module()
+    for rows in (5, 1, 7):
+        x = torch.randn(rows, 10)
+        torch.testing.assert_close(loaded(x), dense_forward_and_grads(layer, x, torch.ones(rows, 12))[0])
+
+
 def test_attributes():
     layer = SparseLinear(40, 30, sparsity=0.75)
     assert layer.nnz == 300 and layer.values.shape == (300,)
