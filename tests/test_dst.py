@@ -497,3 +497,99 @@ def test_grow_init_random_draws_new_weights_within_the_layer_init_bound():
     new = ~torch.isin(linear_index(layer.topology), old_key)
     bound = 1 / (layer.nnz / layer.out_features) ** 0.5
     assert bool((layer.values[new] != 0).all()) and bool((layer.values[new].abs() <= bound).all())
+
+
+class _GradientGrowth(snack.dst.DropGrow):
+    """RigL written with DropGrow's public hooks: it must reproduce RigL exactly."""
+
+    needs_gradient = True
+
+    def grow(self, layer, k):
+        x, dy = self.recorded_batch(layer)
+        return snack.dst.gradient_grow(x, dy, layer.topology, k)
+
+
+def test_a_drop_grow_subclass_written_like_rigl_reproduces_rigl():
+    runs = []
+    for algorithm in (snack.dst.RigL, _GradientGrowth):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dst = algorithm(model, opt, drop_fraction=0.3, update_every=3, total_steps=30, seed=5)
+        assert _train(model, opt, dst, _batches(30)) > 0
+        runs.append(model.state_dict())
+    for key, value in runs[0].items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, runs[1][key]), key
+
+
+def test_drop_grow_hooks_see_each_layer_its_count_and_the_recorded_batch():
+    seen = []
+
+    class Spy(snack.dst.DropGrow):
+        needs_gradient = True
+
+        def drop(self, layer, k):
+            seen.append(("drop", layer, k))
+            return torch.randperm(layer.nnz, generator=self.generator)[:k]
+
+        def grow(self, layer, k):
+            x, dy = self.recorded_batch(layer)
+            seen.append(("grow", layer, k, x.shape, dy.shape))
+            return snack.dst.random_grow(layer.topology, k, self.generator)
+
+    model = _model()
+    layers = _sparse_layers(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = Spy(model, opt, drop_fraction=0.25, update_every=2, total_steps=10, schedule="constant")
+    x, y = _batches(1)[0]
+    for _ in range(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        dst.step()
+    expected = []
+    for layer in layers:
+        k = layer.nnz // 4
+        expected += [("drop", layer, k), ("grow", layer, k, (8, layer.in_features), (8, layer.out_features))]
+    assert seen == expected
+    with pytest.raises(RuntimeError, match="no batch is recorded"):
+        dst.recorded_batch(layers[0])  # only while an update is planned
+    with pytest.raises(ValueError, match="is not one of the layers"):
+        dst.recorded_batch(snack.SparseLinear(4, 4))
+
+
+@pytest.mark.parametrize(
+    "returned, error, match",
+    [
+        (lambda layer, k: torch.arange(k - 1), ValueError, r"Bad\.grow must return \d+ positions for layer '0'"),
+        (lambda layer, k: [0] * k, ValueError, r"Bad\.grow must return \d+ positions .* got list"),
+        (lambda layer, k: snack.dst.prune_grow.linear_index(layer.topology)[:k], ValueError, "must be inactive"),
+        (lambda layer, k: torch.zeros(k, dtype=torch.int64), ValueError, "must be unique"),
+    ],
+    ids=["too-few", "not-a-tensor", "active", "repeated"],
+)
+def test_a_drop_grow_hook_returning_bad_positions_raises_and_changes_nothing(returned, error, match):
+    class Bad(snack.dst.DropGrow):
+        def grow(self, layer, k):
+            return returned(layer, k)
+
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = Bad(model, opt, update_every=1, total_steps=10, schedule="constant")
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    before, rng = _snapshot(model, opt), dst.generator.get_state()
+    with pytest.raises(error, match=match):
+        dst.step()
+    _same(before, _snapshot(model, opt))
+    assert torch.equal(dst.generator.get_state(), rng) and dst.step_count == 0
+
+
+def test_a_drop_grow_subclass_without_grow_is_refused_at_construction():
+    class NoGrowth(snack.dst.DropGrow):
+        pass
+
+    model = _model()
+    with pytest.raises(TypeError, match="NoGrowth must implement grow"):
+        NoGrowth(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10)

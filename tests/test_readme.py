@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -47,6 +48,27 @@ def test_dynamic_sparse_training_example():
     exec(code.replace("update_every=100", "update_every=2"), namespace)  # updates within 6 steps
     assert namespace["dst"].step_count == len(data)
     assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
+
+
+def test_own_dst_algorithm_example():
+    namespace = {"torch": torch, "snack": snack}
+    exec(_block("class RandomDropGradientGrow"), namespace)
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), 0.8)
+    dense = snack.densify(copy.deepcopy(model))  # for the expected growth: the dense gradient
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = namespace["RandomDropGradientGrow"](model, opt, update_every=1, total_steps=4, schedule="constant")
+    before = snack.dst.prune_grow.linear_index(model[0].topology)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for net in (model, dense):
+        nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    assert dst.step()
+    after = snack.dst.prune_grow.linear_index(model[0].topology)
+    grown = after[~torch.isin(after, before)]
+    scores = dense[0].weight.grad.abs().flatten()
+    scores[before] = -1  # growth is among the positions inactive before the update
+    assert torch.equal(grown, scores.topk(int(0.3 * before.numel())).indices.sort().values)
 
 
 def test_per_sample_gradients_example():

@@ -1,4 +1,5 @@
-"""Dynamic Sparse Training on truly sparse layers: SET, RigL, gradual pruning.
+"""Dynamic Sparse Training on truly sparse layers: SET, RigL, gradual pruning, and
+:class:`DropGrow`, the base for writing new drop-and-grow algorithms.
 
 Connections are pruned and regrown in the sparse format itself; no dense weight or mask is
 ever built, and RigL forms its gradient scores in blocks of at most 2**20 entries (the whole
@@ -18,13 +19,14 @@ generic update), :mod:`~snack.dst.optim_state` (optimizer state remap),
 :mod:`~snack.dst.algorithms`, :mod:`~snack.dst.distributed` (several ranks, DDP).
 """
 
-from snack.dst.algorithms import SET, DynamicSparsity, GradualPruning, RigL
+from snack.dst.algorithms import SET, DropGrow, DynamicSparsity, GradualPruning, RigL
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import DropSchedule, cubic_sparsity
 from snack.dst.update import rewire
 
 __all__ = [
     "SET",
+    "DropGrow",
     "DropSchedule",
     "DynamicSparsity",
     "GradualPruning",

@@ -1,8 +1,10 @@
 """SET, RigL and gradual magnitude pruning: drop/grow scores plus a schedule.
 
 All three share :class:`DynamicSparsity` (layer discovery, argument checks, step counter,
-seeded RNG, ``state_dict``) and :func:`snack.dst.update.plan_rewire` (the update itself). They
-differ only in how many connections each update replaces and in their drop and grow scores:
+seeded RNG, gradient records, ``state_dict``) and :func:`snack.dst.update.plan_rewire` (the
+update itself). SET and RigL are :class:`DropGrow` subclasses, the public base for new
+drop-and-grow algorithms. They differ only in how many connections each update replaces and in
+their drop and grow scores:
 
 =============== ============================== ========================================
 algorithm       drop                           grow
@@ -33,7 +35,7 @@ from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
 from snack.topology import check_sparsity
 
-__all__ = ["RigL", "SET", "DynamicSparsity", "GradualPruning"]
+__all__ = ["RigL", "SET", "DropGrow", "DynamicSparsity", "GradualPruning"]
 
 GROW_INITS = ("zero", "random")
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -98,7 +100,9 @@ class DynamicSparsity:
 
     Subclasses implement ``_is_update_step(t)`` and ``_plan(t, index, name, layer)`` → ``(drop,
     grow, grow_values)`` for one layer, without side effects except drawing from
-    ``self.generator``.
+    ``self.generator``. (To write a new drop-and-grow algorithm, subclass :class:`DropGrow`,
+    whose hooks are public.) With ``needs_gradient = True`` the layers' inputs and output
+    gradients are recorded during each update step's training step (:meth:`recorded_batch`).
 
     On several ranks (``torch.distributed`` initialized, e.g. under DDP) every rank must build it
     with the same arguments on the same model (checked first thing), call :meth:`step` on the
@@ -107,7 +111,8 @@ class DynamicSparsity:
     (default: all; ``False``: this rank alone).
     """
 
-    _needs_gradient = False
+    needs_gradient = False
+    _batches: tuple = ()  # with needs_gradient, during an update: per layer, what _recorded returned
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int, process_group=None):
         self._agree_across_ranks(model, optimizer, dict(layers=layers, seed=seed, process_group=process_group))
@@ -117,7 +122,7 @@ class DynamicSparsity:
         self.seed = _check_int(seed, "seed", 0)
         self.generator = torch.Generator().manual_seed(seed)
         self.step_count = 0
-        self._capture = GradientCapture([layer for _, layer in self.layers]) if self._needs_gradient else None
+        self._capture = GradientCapture([layer for _, layer in self.layers]) if self.needs_gradient else None
 
     # -------------------------------------------------------------- public
 
@@ -161,6 +166,25 @@ class DynamicSparsity:
         """Remove the gradient-capture hooks (the object must not be stepped afterwards)."""
         if self._capture is not None:
             self._capture.disarm()
+
+    def recorded_batch(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
+        """``(X (N, in), dY (N, out))``: ``layer``'s inputs and output gradients recorded during
+        this update step's training step (every forward and backward of it), in the layer's
+        dtype; on several ranks, every rank's rows. For use while planning an update of an
+        algorithm with ``needs_gradient = True``. ``∂L/∂W = dYᵀ·X``: score it in blocks (see
+        :func:`snack.dst.prune_grow.gradient_grow`) rather than form it."""
+        for index, (_, candidate) in enumerate(self.layers):
+            if candidate is layer:
+                break
+        else:
+            raise ValueError(f"recorded_batch: {layer!r} is not one of the layers this {type(self).__name__} acts on")
+        recorded = self._batches[index] if index < len(self._batches) else None
+        if recorded is None or recorded is _ON_RANK_ZERO:
+            raise RuntimeError(
+                "recorded_batch: no batch is recorded for this layer now; it is available while an update of an "
+                "algorithm with needs_gradient = True is planned"
+            )
+        return recorded
 
     # -------------------------------------------------------------- machinery
 
@@ -212,8 +236,12 @@ class DynamicSparsity:
         except BaseException:
             self.generator.set_state(rng_state)
             raise
+        finally:
+            self._batches = ()
         for rewiring in rewirings:
             rewiring.apply()
+        if self._capture is not None:
+            self._capture.clear()
         return bool(rewirings)
 
     def _rewirings(self, step: int) -> list:
@@ -243,11 +271,60 @@ class DynamicSparsity:
         return distributed.agreed(group, "computing the new topologies", rewire_all)
 
     def _before_planning(self, step: int) -> None:
-        """Collective work every rank does before planning (RigL gathers its records)."""
+        """Collective work every rank does before planning: with ``needs_gradient``, gather the
+        records (on several ranks, every rank's on rank 0)."""
+        if self._capture is not None:
+            self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
+
+    def _count(self, step: int, layer: SparseLinear) -> int:
+        """Connections the update at ``step`` replaces in ``layer`` (0: the layer is left alone)."""
+        raise NotImplementedError
+
+    def _recorded(self, step: int, index: int, layer: SparseLinear):
+        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, on several ranks
+        every rank's rows, on rank 0 (elsewhere ``_ON_RANK_ZERO``); ``None`` if no rank has any."""
+        recorded = self._capture.batch(index)
+        values = layer.values
+        if self._group is None or self._count(step, layer) == 0:
+            return recorded if recorded is None else tuple(t.to(values.dtype) for t in recorded)
+        x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
+                                                        values.new_empty(0, layer.out_features))
+        x, rows = distributed.gather_rows(x.to(values.dtype), self._group)
+        dy, _ = distributed.gather_rows(dy.to(values.dtype), self._group)
+        if rows == 0:
+            return None
+        return (x, dy) if distributed.is_rank_zero(self._group) else _ON_RANK_ZERO
 
 
-class _DropGrow(DynamicSparsity):
-    """Shared by SET and RigL: replace a scheduled fraction of each layer's connections."""
+class DropGrow(DynamicSparsity):
+    """Base of drop-and-grow algorithms (SET, RigL, and your own): every update replaces a
+    scheduled fraction of each layer's connections, ``k = floor(fraction · nnz)``, keeping nnz.
+
+    To write a new algorithm, subclass it and override :meth:`grow` (and :meth:`drop`, which by
+    default drops the smallest ``|w|``). Both see one layer and ``k``, may draw from
+    ``self.generator`` (seeded, saved in :meth:`state_dict`) and must not change anything. Set
+    ``needs_gradient = True`` to read the step's inputs and output gradients with
+    :meth:`recorded_batch`. Everything else is this class's: the schedule, the optimizer-state
+    remap, checking what the hooks return (``k`` unique positions each; grown ones inactive, or
+    dropped by this update: a regrown connection restarts at its grow value with fresh optimizer
+    state), all layers planned before any changes, and on several ranks one choice (rank 0's) for
+    all::
+
+        class RandomDropGradientGrow(snack.dst.DropGrow):
+            needs_gradient = True
+
+            def drop(self, layer, k):
+                return torch.randperm(layer.nnz, generator=self.generator)[:k]
+
+            def grow(self, layer, k):
+                x, dy = self.recorded_batch(layer)
+                return snack.dst.gradient_grow(x, dy, layer.topology, k)
+
+    A subclass's own constructor arguments are not compared across ranks, nor saved in
+    :meth:`state_dict`.
+
+    Args: as :class:`SET` (without ``split_sign``).
+    """
 
     def __init__(
         self,
@@ -264,6 +341,8 @@ class _DropGrow(DynamicSparsity):
         seed: int = 0,
         process_group=None,
     ):
+        if type(self).grow is DropGrow.grow:  # a class property: every rank raises alike
+            raise TypeError(f"{type(self).__name__} must implement grow(layer, k): DropGrow has no default growth")
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
         drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         update_every = _check_int(update_every, "update_every", 1)
@@ -293,6 +372,40 @@ class _DropGrow(DynamicSparsity):
         inactive = layer.out_features * layer.in_features - layer.nnz
         return min(math.floor(self.schedule.fraction(step) * layer.nnz), inactive)
 
+    def drop(self, layer: SparseLinear, k: int) -> Tensor:
+        """``(k,)`` unique positions into ``layer.values`` of the connections to remove; by
+        default the ``k`` smallest ``|w|`` (:func:`snack.dst.prune_grow.magnitude_drop`)."""
+        return magnitude_drop(layer.values, k)
+
+    def grow(self, layer: SparseLinear, k: int) -> Tensor:
+        """``(k,)`` unique linear positions ``r · in_features + c`` to add, each inactive (or
+        among those :meth:`drop` returned) in ``layer.topology``, which is the topology before
+        this update (see :func:`snack.dst.prune_grow.random_grow`, ``gradient_grow``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement grow(layer, k)")
+
+    def _plan(self, step, index, name, layer):
+        k = self._count(step, layer)
+        recorded = self._batches[index] if self.needs_gradient else ()
+        if k == 0 or recorded is _ON_RANK_ZERO:
+            return _EMPTY, _EMPTY, None  # on several ranks, rank 0 decides from every rank's records
+        if recorded is None:
+            raise RuntimeError(
+                f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}; run the "
+                "forward and backward of the step through the model between dst.step() calls (a model compiled "
+                "with torch.compile(fullgraph=True) does not run the recording hooks: compile it without fullgraph)"
+            )
+        drop = self._hook_positions(self.drop(layer, k), "drop", name, k)
+        grow = self._hook_positions(self.grow(layer, k), "grow", name, k)
+        return drop, grow, self._grow_values(layer, k)
+
+    def _hook_positions(self, positions, hook: str, name: str, k: int) -> Tensor:
+        """What :meth:`drop` or :meth:`grow` returned, after checking it holds ``k`` positions
+        (their values are checked by :func:`snack.dst.update.plan_rewire`)."""
+        if not isinstance(positions, Tensor) or positions.shape != (k,):
+            shown = f"shape {tuple(positions.shape)}" if isinstance(positions, Tensor) else type(positions).__name__
+            raise ValueError(f"{type(self).__name__}.{hook} must return {k} positions for layer {name!r}, got {shown}")
+        return positions
+
     def _grow_values(self, layer: SparseLinear, k: int) -> Tensor | None:
         if self.grow_init == "zero":
             return None
@@ -302,7 +415,7 @@ class _DropGrow(DynamicSparsity):
         return (draw * bound).to(device=layer.values.device, dtype=layer.values.dtype)
 
 
-class SET(_DropGrow):
+class SET(DropGrow):
     """Sparse Evolutionary Training (Mocanu et al., 2018): drop the weakest ``|w|``, regrow at random.
 
     Args:
@@ -332,16 +445,14 @@ class SET(_DropGrow):
     def _config(self) -> dict:
         return {**super()._config(), "split_sign": self.split_sign}
 
-    def _plan(self, step, index, name, layer):
-        k = self._count(step, layer)
-        if k == 0:
-            return _EMPTY, _EMPTY, None
-        drop = magnitude_drop(layer.values, k, split_sign=self.split_sign)
-        grow = random_grow(layer.topology, k, self.generator)
-        return drop, grow, self._grow_values(layer, k)
+    def drop(self, layer, k):
+        return magnitude_drop(layer.values, k, split_sign=self.split_sign)
+
+    def grow(self, layer, k):
+        return random_grow(layer.topology, k, self.generator)
 
 
-class RigL(_DropGrow):
+class RigL(DropGrow):
     """Rigged Lottery (Evci et al., 2020): drop the weakest ``|w|``, grow the largest ``|∂L/∂W|``.
 
     The gradient is that of the update step's batch: when the *next* step is an update step,
@@ -357,52 +468,11 @@ class RigL(_DropGrow):
     DDP's averaged gradient does (each rank then holds all ranks' records during the update).
     """
 
-    _needs_gradient = True
-    _batches: tuple = ()  # per layer, during an update: what _recorded returned
+    needs_gradient = True
 
-    def _plan(self, step, index, name, layer):
-        k = self._count(step, layer)
-        if k == 0:
-            return _EMPTY, _EMPTY, None
-        recorded = self._batches[index]
-        if recorded is _ON_RANK_ZERO:
-            return _EMPTY, _EMPTY, None  # rank 0 decides, from every rank's records
-        if recorded is None:
-            raise RuntimeError(
-                f"RigL update at step {step}: no gradient was recorded for layer {name!r}; run the forward and "
-                "backward of the step through the model between dst.step() calls (a model compiled with "
-                "torch.compile(fullgraph=True) does not run RigL's recording hooks: compile it without fullgraph)"
-            )
-        x, dy = recorded
-        drop = magnitude_drop(layer.values, k)
-        grow = gradient_grow(x.to(layer.values.dtype), dy.to(layer.values.dtype), layer.topology, k)
-        return drop, grow, self._grow_values(layer, k)
-
-    def _update(self, step: int) -> bool:
-        try:
-            changed = super()._update(step)
-        finally:
-            self._batches = ()
-        self._capture.clear()
-        return changed
-
-    def _before_planning(self, step: int) -> None:
-        self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
-
-    def _recorded(self, step: int, index: int, layer: SparseLinear):
-        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, on several ranks
-        every rank's rows, on rank 0 (elsewhere ``_ON_RANK_ZERO``); ``None`` if no rank has any."""
-        recorded = self._capture.batch(index)
-        if self._group is None or self._count(step, layer) == 0:
-            return recorded
-        values = layer.values
-        x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
-                                                        values.new_empty(0, layer.out_features))
-        x, rows = distributed.gather_rows(x.to(values.dtype), self._group)
-        dy, _ = distributed.gather_rows(dy.to(values.dtype), self._group)
-        if rows == 0:
-            return None
-        return (x, dy) if distributed.is_rank_zero(self._group) else _ON_RANK_ZERO
+    def grow(self, layer, k):
+        x, dy = self.recorded_batch(layer)
+        return gradient_grow(x, dy, layer.topology, k)
 
 
 class GradualPruning(DynamicSparsity):
