@@ -179,15 +179,18 @@ class SparseLinear(nn.Module):
         changed in place under ``torch.inference_mode`` is not noticed.)
         """
         row, col, cached = self.row, self.col, self._topology
-        if torch.jit.is_tracing():
-            # a fresh, uncached topology: the trace then records how the derived data follow from
-            # row and col, the same ops in every trace (torch.jit.trace compares two)
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():
+            # a fresh, uncached topology: the program records how the derived data follow from
+            # row and col (not the cache as constants), so it follows a state_dict loaded into it,
+            # and torch.jit.trace's two traces record the same ops
             return Topology(row, col, (self.out_features, self.in_features), validate=False)
         if torch.compiler.is_compiling():
-            # Dynamo cannot trace is_inference(): traced code relies on the explicit resets
-            # (set_topology, load_state_dict, .to()) alone.
-            if cached is None:
+            # Dynamo cannot trace is_inference() or version counters: compiled code follows other
+            # row/col tensors (functional_call) and the explicit resets (set_topology,
+            # load_state_dict, .to()), not in-place changes of the buffers
+            if cached is None or cached.row is not row or cached.col is not col:
                 cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
+                self._topology_key = None  # eager code rebuilds and validates its own
             return cached
         if cached is None or not _built_from(self._topology_key, row, col):
             if _is_batched(row) or _is_batched(col):

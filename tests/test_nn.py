@@ -119,9 +119,23 @@ def test_torch_jit_trace_matches_eager_and_saves(tmp_path):
             torch.testing.assert_close(got_grad, expected_grad)
 
 
-def test_torch_export_with_dynamic_batch_matches_eager(tmp_path):
-    """``torch.export`` records the custom op; the program survives a save and load."""
+def _same_size_other(layer: SparseLinear) -> SparseLinear:
+    """A layer of ``layer``'s shape and nnz with other connections and values."""
+    other = copy.deepcopy(layer)
+    positions = torch.randperm(layer.in_features * layer.out_features)[: layer.nnz].sort().values
+    row, col = positions // layer.in_features, positions % layer.in_features
+    other.set_topology(row, col, torch.randn(layer.nnz, dtype=layer.values.dtype))
+    return other
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["exported-first", "eager-first"])
+def test_torch_export_with_dynamic_batch_matches_eager(tmp_path, warm):
+    """``torch.export`` records the custom op and how the derived index data follow from the
+    buffers (not a cache as constants): the program follows another layer's state loaded into it."""
     layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
+    other = _same_size_other(layer)
+    if warm:
+        layer(torch.randn(2, 10))  # builds the cache
     batch = torch.export.Dim("batch")
     program = torch.export.export(layer, (torch.randn(5, 10),), dynamic_shapes=({0: batch},))
     torch.export.save(program, tmp_path / "layer.pt2")
@@ -129,6 +143,20 @@ def test_torch_export_with_dynamic_batch_matches_eager(tmp_path):
     for rows in (5, 1, 7):
         x = torch.randn(rows, 10)
         torch.testing.assert_close(loaded(x), dense_forward_and_grads(layer, x, torch.ones(rows, 12))[0])
+    loaded.load_state_dict(other.state_dict(), strict=False)  # (the program holds no _extra_state)
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(loaded(x), dense_forward_and_grads(other, x, torch.ones(3, 12))[0])
+
+
+def test_torch_compile_follows_buffers_passed_by_functional_call():
+    layer = make_layer(12, 10, 0.7, dtype=torch.float32)
+    other = make_layer(12, 10, 0.5, dtype=torch.float32, seed=1)  # another nnz too
+    x = torch.randn(5, 10)
+    layer(x)  # caches the layer's own topology
+    state = {name: tensor.detach() for name, tensor in [*other.named_parameters(), *other.named_buffers()]}
+    compiled = torch.compile(lambda x: torch.func.functional_call(layer, state, (x,)), fullgraph=True)
+    torch.testing.assert_close(compiled(x), dense_forward_and_grads(other, x, torch.ones(5, 12))[0])
+    torch.testing.assert_close(layer(x), dense_forward_and_grads(layer, x, torch.ones(5, 12))[0])
 
 
 def test_attributes():
