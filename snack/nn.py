@@ -14,7 +14,16 @@ from torch import Tensor, nn
 from snack.backends.derived import held
 from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
-from snack.topology import Topology, check_shape, check_sparsity, coo_from_dense, random_coo, sort_coo, validate_coo
+from snack.topology import (
+    Topology,
+    check_shape,
+    check_shape_pair,
+    check_sparsity,
+    coo_from_dense,
+    random_coo,
+    sort_coo,
+    validate_coo,
+)
 
 __all__ = ["SparseLinear", "densify", "sparsify"]
 
@@ -137,7 +146,7 @@ class SparseLinear(nn.Module):
             shape: ``(out_features, in_features)``.
             bias: optional ``(out_features,)`` bias.
         """
-        out_features, in_features = shape
+        out_features, in_features = check_shape_pair(shape)
         for tensor in (row, col, values):
             if isinstance(tensor, Tensor):
                 _reject_meta(tensor.device)
@@ -224,8 +233,14 @@ class SparseLinear(nn.Module):
 
         The ``values`` Parameter object is kept (its data is replaced) so optimizers still hold
         it; its ``.grad`` is cleared, as it belonged to the old connections. Optimizer state is
-        not touched here (see :mod:`snack.dst`). On bad input nothing changes.
+        not touched here (see :mod:`snack.dst`). ``row``, ``col`` and ``values`` are copied, and
+        are normal tensors even when this is called under ``torch.inference_mode`` (the layer
+        must still train). On bad input nothing changes.
         """
+        with torch.inference_mode(False):
+            self._set_topology(row, col, values)
+
+    def _set_topology(self, row: Tensor, col: Tensor, values: Tensor | None) -> None:
         validate_coo(row, col, (self.out_features, self.in_features))
         if row.device != self.values.device:
             raise ValueError(f"row/col must be on the layer's device {self.values.device}, got {row.device}")
@@ -236,8 +251,8 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"values must be {self.values.dtype} on {self.values.device}, got {values.dtype} on {values.device}"
             )
-        self.row = row.to(torch.int32)
-        self.col = col.to(torch.int32)
+        self.row = row.to(torch.int32, copy=True)
+        self.col = col.to(torch.int32, copy=True)
         _replace_data(self.values, values.detach().clone())
         self._topology = None
 
@@ -293,7 +308,12 @@ class SparseLinear(nn.Module):
         """Load a topology of any nnz: resize ``row``/``col``/``values`` first, then let
         ``nn.Module`` copy. ``row``, ``col`` and ``values`` load together or not at all (any
         missing is reported as missing, the others are not loaded); ``_extra_state`` (the shape
-        check) is optional. On any error the layer is left untouched."""
+        check) is optional. On any error the layer is left untouched. Under
+        ``torch.inference_mode`` the new tensors are still normal ones (the layer must train)."""
+        with torch.inference_mode(False):
+            self._load_topology(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _load_topology(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         keys = {name: prefix + name for name in ("row", "col", "values", "_extra_state")}
         missing = [keys[name] for name in ("row", "col", "values") if keys[name] not in state_dict]
         if len(missing) == 3:  # none of the topology: nn.Module reports it and loads the bias
@@ -313,11 +333,19 @@ class SparseLinear(nn.Module):
             row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
             validate_coo(row, col, expected_shape)
             _check_values(values, row)
+            copies = [("values", values, self.values)]
             if self.bias is not None and prefix + "bias" in state_dict:
-                if state_dict[prefix + "bias"].shape != (self.out_features,):
-                    raise ValueError(
-                        f"bias must have shape ({self.out_features},), got {tuple(state_dict[prefix + 'bias'].shape)}"
-                    )
+                bias = state_dict[prefix + "bias"]
+                if not isinstance(bias, Tensor) or bias.shape != (self.out_features,):
+                    shown = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+                    raise ValueError(f"bias must be a tensor of shape ({self.out_features},), got {shown}")
+                copies.append(("bias", bias, self.bias))
+            # the copies nn.Module makes below, tried first: once row/col change, nothing may fail
+            for name, source, target in copies:
+                try:
+                    source.to(device=target.device, dtype=target.dtype)
+                except (RuntimeError, NotImplementedError) as error:
+                    raise ValueError(f"{name} cannot be copied into the layer ({target.dtype} on {target.device}): {error}")
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
@@ -361,6 +389,10 @@ def _saved_shape(extra) -> tuple[int, ...]:
     """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2) or a
     ``{"version": 1, "shape": ...}`` dict (format 1)."""
     if isinstance(extra, Tensor) and extra.shape == (3,):
+        if int(extra[0]) != _STATE_VERSION:
+            raise ValueError(
+                f"_extra_state is of format version {int(extra[0])}; this snack reads versions 1 and {_STATE_VERSION}"
+            )
         return tuple(int(v) for v in extra[1:])
     if isinstance(extra, dict) and "shape" in extra:
         return tuple(extra["shape"])

@@ -384,7 +384,8 @@ def autocast_inputs(x: Tensor, values: Tensor, bias: Tensor | None) -> tuple[Ten
 def _autocast(device_type: str, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """``tensors``, each floating one but float64 in the autocast dtype of ``device_type`` when
     an autocast region for it is active; unchanged otherwise (and ``None`` stays ``None``)."""
-    if not torch.is_autocast_enabled(device_type):
+    # (a device without autocast, e.g. meta, is then refused by the device checks)
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(

@@ -71,6 +71,14 @@ def check_shape(out_features: int, in_features: int) -> None:
             raise ValueError(f"{name} must be in [1, {MAX_INDEX}], got {size}")
 
 
+def check_shape_pair(shape, name: str = "shape") -> tuple[int, int]:
+    """``shape`` as ``(out_features, in_features)`` ints, or raise if it is not two positive ints."""
+    if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
+        raise ValueError(f"{name} must be (out_features, in_features), got {shape!r}")
+    check_shape(*shape)
+    return int(shape[0]), int(shape[1])
+
+
 def nnz_for_sparsity(out_features: int, in_features: int, sparsity: float) -> int:
     """Number of connections that a ``sparsity`` fraction of zeros leaves (at least 1)."""
     total = out_features * in_features
@@ -91,11 +99,12 @@ def validate_coo(row: Tensor, col: Tensor, shape: tuple[int, int], *, require_so
         shape: ``(out_features, in_features)``.
         require_sorted: also require the ``(row, col)`` order the format uses.
     """
-    out_features, in_features = shape
-    check_shape(out_features, in_features)
+    out_features, in_features = check_shape_pair(shape)
     for name, t in (("row", row), ("col", col)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no coordinates")
         if t.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {t.dtype}")
         if t.dim() != 1:
@@ -234,7 +243,9 @@ class Topology:
     """Immutable sorted-COO coordinates of an ``out × in`` matrix with lazily derived data.
 
     Args:
-        row, col: ``(nnz,)`` int32 coordinates sorted by ``(row, col)``, unique.
+        row, col: ``(nnz,)`` int32 coordinates sorted by ``(row, col)``, unique. They are held,
+            not copied (as ``torch.sparse_coo_tensor`` holds its indices): changing them in place
+            afterwards is undefined, since the kernels trust validated coordinates.
         shape: ``(out_features, in_features)``.
         validate: check the coordinates (one pass over them); pass ``False`` only for
             coordinates produced by this module.
@@ -243,7 +254,7 @@ class Topology:
     __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr")
 
     def __init__(self, row: Tensor, col: Tensor, shape: tuple[int, int], *, validate: bool = True):
-        shape = (int(shape[0]), int(shape[1]))
+        shape = check_shape_pair(shape)
         if validate:
             validate_coo(row, col, shape)
         # contiguous, as the native kernels need (no copy when they already are, as a layer's are)

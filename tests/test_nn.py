@@ -647,6 +647,57 @@ def test_load_state_dict_with_assign_keeps_int32_coordinates():
     torch.testing.assert_close(layer(torch.randn(2, 9, dtype=torch.float64)).shape, torch.Size([2, 7]))
 
 
+@pytest.mark.parametrize("nnz_changes", [False, True])
+def test_a_load_whose_values_cannot_be_copied_leaves_the_layer_untouched(nnz_changes):
+    layer = make_layer(7, 9, 0.5, seed=0)
+    other = make_layer(7, 9, 0.2, seed=1) if nnz_changes else _same_size_other(layer)
+    before = copy.deepcopy(layer.state_dict())
+    state = other.state_dict()
+    state["values"] = state["values"].to("meta")  # its copy fails
+    with pytest.raises(RuntimeError, match="values cannot be copied into the layer"):
+        layer.load_state_dict(state)
+    after = layer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("bias", [None, [0.0] * 7])
+def test_a_bias_entry_that_is_not_a_tensor_is_a_clear_error(bias):
+    layer = make_layer(7, 9, 0.5)
+    state = {**make_layer(7, 9, 0.2, seed=1).state_dict(), "bias": bias}
+    with pytest.raises(RuntimeError, match=r"bias must be a tensor of shape \(7,\), got (NoneType|list)"):
+        layer.load_state_dict(state)
+
+
+def test_a_state_dict_of_an_unknown_format_version_is_refused():
+    layer = make_layer(7, 9, 0.5)
+    state = make_layer(7, 9, 0.2, seed=1).state_dict()
+    state["_extra_state"] = torch.tensor([99, 7, 9])
+    with pytest.raises(RuntimeError, match="_extra_state is of format version 99"):
+        layer.load_state_dict(state)
+
+
+def test_set_topology_and_load_state_dict_under_inference_mode_leave_a_trainable_layer():
+    layer, other = make_layer(7, 9, 0.5, seed=0), make_layer(7, 9, 0.2, seed=1)
+    with torch.inference_mode():
+        layer.load_state_dict(other.state_dict())  # another nnz: new tensors
+    with torch.inference_mode():
+        half = layer.nnz // 2
+        layer.set_topology(layer.row[:half].clone(), layer.col[:half].clone())
+    assert not any(t.is_inference() for t in (layer.values, layer.row, layer.col))
+    x = torch.randn(3, 9, dtype=torch.float64)
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.values.grad, dense_forward_and_grads(layer, x, torch.ones(3, 7))[2])
+
+
+def test_set_topology_copies_the_coordinates_it_is_given():
+    layer = make_layer(7, 9, 0.5)
+    row, col = layer.row[:3].clone(), layer.col[:3].clone()
+    expected = col.tolist()
+    layer.set_topology(row, col)
+    col.fill_(0)  # the caller's tensor, changed afterwards
+    assert layer.col.tolist() == expected
+
+
 # ---------------------------------------------------------------------- construction arguments
 
 

@@ -99,6 +99,8 @@ def test_op_rejects_mismatched_inputs():
         snack.ops.spmm(x, values[:-1], topo)
     with pytest.raises(TypeError, match="share a dtype"):
         snack.ops.spmm(x.float(), values, topo)
+    with pytest.raises(ValueError, match=r"on one device, got \['cpu', 'meta'\]"):  # (autocast knows no meta)
+        snack.ops.spmm(x.to("meta"), values, topo)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -159,8 +161,9 @@ def test_a_non_contiguous_bias_works_as_in_nn_linear(backend, layout):
         (lambda x, v, b: (x.float(), v, b), TypeError, "share a floating dtype"),
         (lambda x, v, b: (x, v, b[:-1]), ValueError, r"bias must have shape \(9,\)"),
         (lambda x, v, b: (x, v, b.float()), ValueError, r"bias must have shape \(9,\), dtype torch.float64"),
+        (lambda x, v, b: (x.to("meta"), v, b), ValueError, "must be on one device, got meta, cpu and cpu"),
     ],
-    ids=["x-width", "values-length", "dtype", "bias-shape", "bias-dtype"],
+    ids=["x-width", "values-length", "dtype", "bias-shape", "bias-dtype", "x-on-meta"],
 )
 def test_sparse_linear_rejects_bad_arguments(change, error, message):
     topo, values, x, _ = _case()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import snack
 from snack.topology import Topology, coo_from_dense, random_coo, validate_coo
 
 
@@ -105,6 +106,36 @@ def test_validate_coo_rejects_bad_types():
         validate_coo(torch.tensor([0.0]), torch.tensor([0]), (1, 1))
     with pytest.raises(ValueError, match="1-D"):
         validate_coo(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), (1, 1))
+
+
+@pytest.mark.parametrize(
+    "shape, error, message",
+    [
+        ((2.9, 3), TypeError, "out_features must be an int, got float 2.9"),
+        ((True, 3), TypeError, "out_features must be an int, got bool"),
+        (("2", 3), TypeError, "out_features must be an int, got str"),
+        ((2, 3, 4), ValueError, r"shape must be \(out_features, in_features\), got \(2, 3, 4\)"),
+        (6, ValueError, r"shape must be \(out_features, in_features\), got 6"),
+    ],
+)
+def test_a_shape_that_is_not_two_ints_is_refused_not_coerced(shape, error, message):
+    row, col = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    for build in (
+        lambda: Topology(row, col, shape),
+        lambda: Topology(row, col, shape, validate=False),
+        lambda: snack.SparseLinear.from_coo(row, col, torch.ones(2), shape),
+    ):
+        with pytest.raises(error, match=message):
+            build()
+
+
+def test_meta_coordinates_are_refused_with_a_clear_error():
+    meta = torch.tensor([0, 1], dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="row is on the meta device, which holds no coordinates"):
+        Topology(meta, meta, (2, 2))
+    layer = snack.SparseLinear(2, 2, sparsity=0.5)
+    with pytest.raises(ValueError, match="row is on the meta device"):
+        layer.set_topology(meta, meta)
 
 
 @pytest.mark.parametrize("sparsity", [-0.1, 1.0, 1.5, float("nan")])

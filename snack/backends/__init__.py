@@ -152,8 +152,10 @@ def default_backend_name(device: torch.device | str) -> str:
 def use_backend(name: str) -> Iterator[None]:
     """Force every snack op inside the ``with`` block to run on backend ``name``.
 
-    The backward of an op run inside the block runs there too, wherever and whenever autograd
-    runs it (PyTorch runs a CUDA backward on a worker thread, which does not see the block).
+    The backward of an op run eagerly inside the block runs there too, wherever and whenever
+    autograd runs it (PyTorch runs a CUDA backward on a worker thread, which does not see the
+    block). Code compiled by ``torch.compile`` runs its backward on the backend in force when
+    the backward runs.
     Raises at once if the backend does not exist or cannot load. Ops on a device the backend
     does not support raise :class:`BackendUnavailableError` when called.
     """
