@@ -39,7 +39,8 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rigl(net: nn.Module, optimizer):
-    return snack.dst.RigL(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10)
+    # random grow values: drawn by rank 0 alone, which plans, yet every rank's RNG must follow
+    return snack.dst.RigL(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
 
 
 def pruning(net: nn.Module, optimizer):
@@ -54,8 +55,9 @@ def layers_state(net: nn.Module) -> list[dict]:
             for m in net.modules() if isinstance(m, snack.SparseLinear)]
 
 
-def train_under_ddp(rank: int, algorithm: str) -> list[dict]:
-    """``algorithm`` on a DDP model, each rank on its slice of the global batches."""
+def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor]:
+    """``algorithm`` on a DDP model, each rank on its slice of the global batches: the layers, and
+    the state of the DST object's RNG."""
     net = model()
     ddp = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -71,7 +73,7 @@ def train_under_ddp(rank: int, algorithm: str) -> list[dict]:
         optimizer.step()
         if dst.step() and algorithm == "pruning":
             ddp = DistributedDataParallel(net)  # DDP's gradient buckets have the old sizes
-    return layers_state(net)
+    return layers_state(net), dst.generator.get_state()
 
 
 def different_seeds(rank: int) -> str:

@@ -92,9 +92,27 @@ def _two_backward_passes(module, x, target):
     (y * target).sum().backward()  # .grad holds the sum of both
 
 
+def _micro_batches_through_one_reused_buffer(module, x, target):
+    buffer = torch.empty_like(x[:1])  # a static input buffer: each micro-batch (a row) is copied into it
+    for row in range(x.shape[0]):
+        buffer.copy_(x[row : row + 1])
+        ((module(buffer) - target[row : row + 1]) ** 2).sum().backward()
+
+
+def _input_changed_in_place_after_its_backward(module, x, target):
+    x = x.clone()
+    ((module(x) - target) ** 2).sum().backward()
+    x.mul_(-2.0).add_(0.5)  # e.g. an adversarial step x.data.add_(...) between two passes
+    ((module(x) - target) ** 2).sum().backward()
+
+
 @pytest.mark.parametrize(
-    "forward_backward", [_squared_error, _relu_in_place_on_3d_input, _keyword_call, _two_backward_passes]
-)
+    "forward_backward",
+    [
+        _squared_error, _relu_in_place_on_3d_input, _keyword_call, _two_backward_passes,
+        _micro_batches_through_one_reused_buffer, _input_changed_in_place_after_its_backward,
+    ],
+)  # fmt: skip
 def test_rigl_grows_exactly_the_top_gradient_inactive_positions(forward_backward):
     torch.manual_seed(0)
     layer = snack.SparseLinear(10, 8, sparsity=0.7, dtype=torch.float64)
@@ -143,6 +161,29 @@ def test_a_model_armed_for_rigl_can_be_saved_and_copied():
     assert dst.step_count == 0
     _train(model, opt, dst, _batches(1))  # the original still records and updates
     assert dst.step_count == 1
+
+
+@pytest.mark.parametrize("cut", [1, 2], ids=["disarmed", "armed"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_model_optimizer_and_rigl_trains_like_the_original(cut, how):
+    """Copied together, while the hooks are armed for the next step (cut 2) or not: the copy
+    records in its own layers and updates exactly as the original does."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = snack.dst.RigL(model, opt, update_every=3, total_steps=30)
+    batches = _batches(9)
+    _train(model, opt, dst, batches[:cut])
+    if how == "deepcopy":
+        model2, opt2, dst2 = copy.deepcopy((model, opt, dst))
+    else:
+        buffer = io.BytesIO()
+        torch.save((model, opt, dst), buffer)
+        buffer.seek(0)
+        model2, opt2, dst2 = torch.load(buffer, weights_only=False)
+    assert [len(m._forward_hooks) for m in _sparse_layers(model2)] == [cut - 1] * 3  # no inert hook left
+    assert _train(model, opt, dst, batches[cut:]) == _train(model2, opt2, dst2, batches[cut:]) == 3
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), name
 
 
 def test_set_grows_only_inactive_positions():
@@ -283,7 +324,9 @@ def test_memory_does_not_grow_over_1000_updates(algorithm):
     torch.manual_seed(0)
     layer = snack.SparseLinear(12, 6, sparsity=0.7)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    dst = algorithm(layer, opt, drop_fraction=0.2, update_every=1, total_steps=2000, stop_fraction=1.0, schedule="constant")
+    dst = algorithm(
+        layer, opt, drop_fraction=0.2, update_every=1, total_steps=2000, stop_fraction=1.0, schedule="constant"
+    )
     x = torch.randn(4, 12)
 
     def steps(n):
@@ -303,7 +346,8 @@ def test_memory_does_not_grow_over_1000_updates(algorithm):
 
 
 def _state_bytes(model, opt):
-    tensors = [*model.parameters(), *model.buffers()] + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [*model.parameters(), *model.buffers(), *state]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -340,6 +384,49 @@ def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
         snack.dst.RigL(model, opt, **{"total_steps": 10, "update_every": 1, **kwargs})
     assert not any(m._forward_hooks for m in model.modules())
     _same(before, _snapshot(model, opt))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(seed=2**70), ValueError, r"seed must be in \[0, 2\*\*64 - 1\].*got 1180591620717411303424"),
+        (dict(seed=-1), ValueError, "seed must be >= 0"),
+        (dict(seed=1.0), TypeError, "seed must be an int"),
+        (dict(layers=[]), ValueError, "layers is empty"),
+        (dict(layers=iter([])), ValueError, "layers is empty"),
+        (dict(layers=0), TypeError, "layers must be None .* got int 0"),
+    ],
+)
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, error, match):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _snapshot(model, opt)
+    if algorithm == "GradualPruning":
+        kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10, **kwargs)
+    else:
+        kwargs = dict(total_steps=10, **kwargs)
+    with pytest.raises(error, match=match):
+        getattr(snack.dst, algorithm)(model, opt, **kwargs)
+    assert not any(m._forward_hooks for m in model.modules())
+    _same(before, _snapshot(model, opt))
+
+
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+@pytest.mark.parametrize(
+    "make_iterable",
+    [lambda names: (n for n in names), lambda names: filter(None, names), lambda names: iter(names)],
+    ids=["generator", "filter", "iterator"],
+)
+def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    layers = make_iterable(["0", "4"])
+    if algorithm == "GradualPruning":
+        dst = snack.dst.GradualPruning(model, opt, final_sparsity=0.95, start_step=0, end_step=10, layers=layers)
+    else:
+        dst = getattr(snack.dst, algorithm)(model, opt, total_steps=10, layers=layers)
+    assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
 def test_model_without_sparse_layers_and_mismatched_optimizer_are_rejected():
@@ -452,9 +539,11 @@ def test_rigl_update_without_a_recorded_gradient_is_an_error():
     before = _snapshot(model, opt)
     with torch.no_grad():
         model(torch.randn(2, 16))  # an eval pass records nothing
-    with pytest.raises(RuntimeError, match="no gradient was recorded"):
+    with pytest.raises(RuntimeError, match="no gradient was recorded") as raised:
         dst.step()
     _same(before, _snapshot(model, opt))
+    for cause in ("not used", "no_grad", "fullgraph"):  # the message lists the usual causes
+        assert cause in str(raised.value)
 
 
 def test_rigl_hooks_are_armed_only_before_update_steps():
@@ -593,3 +682,163 @@ def test_a_drop_grow_subclass_without_grow_is_refused_at_construction():
     model = _model()
     with pytest.raises(TypeError, match="NoGrowth must implement grow"):
         NoGrowth(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10)
+
+
+def _topology_and_values(layer):
+    return layer.row.clone(), layer.col.clone(), layer.values.detach().clone()
+
+
+def _unchanged(layer, before):
+    return all(torch.equal(a, b) for a, b in zip(before, _topology_and_values(layer)))
+
+
+@pytest.mark.parametrize("frozen_index", [0, 1], ids=["first", "middle"])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+def test_a_frozen_layer_is_left_alone_until_it_is_unfrozen(algorithm, frozen_index):
+    """The optimizer is built from every parameter (it skips those without a gradient); the DST
+    object keeps the frozen layer, leaves it alone while it is frozen (RigL records nothing for it
+    and does not raise), and updates it once it is unfrozen."""
+    model = _model()
+    layers = _sparse_layers(model)
+    frozen = layers[frozen_index]
+    frozen.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dst = algorithm(model, opt, update_every=2, total_steps=40, stop_fraction=1.0, schedule="constant")
+    assert frozen in [layer for _, layer in dst.layers]
+    before = _topology_and_values(frozen)
+    others = [_topology_and_values(layer) for layer in layers if layer is not frozen]
+    assert _train(model, opt, dst, _batches(6)) == 3
+    assert _unchanged(frozen, before)
+    assert not any(_unchanged(layer, b) for layer, b in zip([m for m in layers if m is not frozen], others))
+    frozen.requires_grad_(True)
+    _train(model, opt, dst, _batches(2, seed=1))
+    assert not torch.equal(frozen.row * frozen.in_features + frozen.col, before[0] * frozen.in_features + before[1])
+    check_topology_invariants(frozen, before[0].numel())
+
+
+def test_gradual_pruning_does_not_prune_a_frozen_layer():
+    model = _model(sparsity=0.5)
+    layers = _sparse_layers(model)
+    layers[1].requires_grad_(False)
+    nnz = [layer.nnz for layer in layers]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gp = snack.dst.GradualPruning(model, opt, final_sparsity=0.9, start_step=0, end_step=10, update_every=5)
+    before = _topology_and_values(layers[1])
+    _train(model, opt, gp, _batches(10))
+    assert _unchanged(layers[1], before)
+    assert layers[0].nnz < nnz[0] and layers[2].nnz < nnz[2]
+
+
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning])
+def test_a_step_under_inference_mode_leaves_trainable_layers_and_optimizer_state(algorithm):
+    model = _model(sparsity=0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if algorithm is snack.dst.GradualPruning:
+        dst = algorithm(model, opt, final_sparsity=0.9, start_step=0, end_step=6, update_every=2)
+    else:
+        dst = algorithm(model, opt, update_every=2, total_steps=20)
+    changed = 0
+    for x, y in _batches(6):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()  # the next step's optimizer step updates what the previous update made
+        with torch.inference_mode():
+            changed += dst.step()
+    assert changed == 3
+    tensors = [*model.parameters(), *model.buffers()] + [v for s in opt.state.values() for v in s.values()]
+    assert not any(t.is_inference() for t in tensors if torch.is_tensor(t))
+    assert not any(layer.row.is_inference() or layer.col.is_inference() for layer in _sparse_layers(model))
+
+
+class _TwoBranches(nn.Module):
+    """Two layers on separate inputs: one batch can be non-finite for one layer only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.left = snack.SparseLinear(10, 8, sparsity=0.7)
+        self.right = snack.SparseLinear(10, 8, sparsity=0.7)
+
+    def forward(self, a, b):
+        return self.left(a).square().sum() + self.right(b).square().sum()
+
+
+@pytest.mark.parametrize("algorithm", [snack.dst.RigL, _GradientGrowth])
+def test_a_layer_whose_recorded_batch_is_not_finite_is_left_alone_with_a_warning(algorithm):
+    """An overflowed mixed-precision step: the layer's update is skipped (no drop, no grow), the
+    others' still happen; a DropGrow subclass with needs_gradient gets the same."""
+    model = _TwoBranches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = algorithm(model, opt, update_every=1, total_steps=10, schedule="constant")
+    left, right = _topology_and_values(model.left), _topology_and_values(model.right)
+    a = torch.randn(4, 10)
+    a[1, 3] = float("inf")
+    model(a, torch.randn(4, 10)).backward()  # no optimizer step: as GradScaler skips it
+    with pytest.warns(RuntimeWarning, match=r"update at step 1: .* layer 'left' has non-finite values"):
+        assert dst.step()
+    assert _unchanged(model.left, left)
+    assert not torch.equal(model.right.row * 10 + model.right.col, right[0] * 10 + right[1])
+
+
+@pytest.mark.parametrize("checkpoint_step", [10, 35], ids=["mid-schedule", "after-end"])
+@pytest.mark.parametrize("order", ["built-before-loading", "built-after-loading"])
+def test_gradual_pruning_resumes_whether_built_before_or_after_loading_the_model(order, checkpoint_step):
+    """With the default initial_sparsity the values derived from the model at construction come
+    from the DST state on resume, so the model may be loaded first; even after end_step, when
+    rounding each layer's count left the model a little sparser than final_sparsity."""
+    batches = _batches(40)
+    kwargs = dict(final_sparsity=0.92, start_step=2, end_step=30, update_every=4)  # ends at 0.92045
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dst = snack.dst.GradualPruning(model, opt, **kwargs)
+    _train(model, opt, dst, batches[:checkpoint_step])
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "dst": dst.state_dict()})
+    _train(model, opt, dst, batches[checkpoint_step:])
+
+    resumed = _model(seed=99)
+    if order == "built-after-loading":
+        resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
+    resumed_dst = snack.dst.GradualPruning(resumed, resumed_opt, **kwargs)
+    if order == "built-before-loading":
+        resumed.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    resumed_dst.load_state_dict(checkpoint["dst"])
+    assert resumed_dst.initial_sparsity == dst.initial_sparsity
+    _train(resumed, resumed_opt, resumed_dst, batches[checkpoint_step:])
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_gradual_pruning_loads_a_state_dict_saved_before_initial_sparsity_was_state():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = dict(final_sparsity=0.95, start_step=2, end_step=30, update_every=4)
+    dst = snack.dst.GradualPruning(model, opt, **kwargs)
+    state = dst.state_dict()
+    old = {key: value for key, value in state.items() if key != "initial_sparsity"}
+    old["config"] = {**old["config"], "initial_sparsity": 0.85}  # the old format: the value in use
+    again = snack.dst.GradualPruning(model, opt, **kwargs)
+    again.load_state_dict(old)
+    assert again.initial_sparsity == 0.85
+    given = snack.dst.GradualPruning(model, opt, initial_sparsity=0.5, **kwargs)
+    with pytest.raises(ValueError, match="cannot load DST state: config"):
+        given.load_state_dict(old)  # another initial sparsity than the one given
+    broken = {**state, "initial_sparsity": "0.8"}
+    with pytest.raises(ValueError, match="initial_sparsity must be a number"):
+        again.load_state_dict(broken)
+    assert again.initial_sparsity == 0.85 and again.step_count == 0
+
+
+def test_gradual_pruning_reaches_final_sparsity_when_end_step_is_off_the_update_grid():
+    model = _model(sparsity=0.5)
+    layers = _sparse_layers(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gp = snack.dst.GradualPruning(model, opt, final_sparsity=0.9, start_step=0, end_step=10, update_every=4)
+    flags = []
+    for batch in _batches(14):
+        flags.append(_train(model, opt, gp, [batch]))
+    assert [t for t, f in enumerate(flags, start=1) if f] == [4, 8, 10]  # end_step too
+    total = sum(m.out_features * m.in_features for m in layers)
+    assert 1 - sum(m.nnz for m in layers) / total == pytest.approx(0.9, abs=0.005)

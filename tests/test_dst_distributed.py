@@ -29,7 +29,7 @@ def _assert_same_topologies(a: list[dict], b: list[dict]) -> None:
         assert torch.equal(layer_a["row"], layer_b["row"]) and torch.equal(layer_a["col"], layer_b["col"])
 
 
-def _single_process(algorithm: str) -> list[dict]:
+def _single_process(algorithm: str) -> tuple[list[dict], torch.Tensor]:
     """The same training in one process on the whole batch (minus what rank 1 skipped)."""
     net = worker.model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -45,18 +45,20 @@ def _single_process(algorithm: str) -> list[dict]:
         loss.backward()
         optimizer.step()
         dst.step()
-    return worker.layers_state(net)
+    return worker.layers_state(net), dst.generator.get_state()
 
 
 @pytest.mark.parametrize("algorithm", sorted(worker.ALGORITHMS))
 def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(ranks, algorithm):
     """RigL grows from the gathered records; GradualPruning, whose nnz shrinks, runs with the DDP
     wrapper rebuilt after each update."""
-    rank0, rank1 = (r[f"{algorithm}_under_ddp"] for r in ranks)
+    (rank0, generator0), (rank1, generator1) = (r[f"{algorithm}_under_ddp"] for r in ranks)
     _assert_same_topologies(rank0, rank1)
     for layer0, layer1 in zip(rank0, rank1):
         assert torch.equal(layer0["values"], layer1["values"])
-    single = _single_process(algorithm)
+    single, single_generator = _single_process(algorithm)
+    # one RNG state: a checkpoint of any rank resumes the run (RigL draws its grow values on rank 0)
+    assert torch.equal(generator0, generator1) and torch.equal(generator0, single_generator)
     _assert_same_topologies(rank0, single)
     for layer0, alone in zip(rank0, single):
         torch.testing.assert_close(layer0["values"], alone["values"], rtol=0, atol=1e-12)

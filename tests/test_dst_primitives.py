@@ -124,6 +124,35 @@ def test_rewire_rejects_bad_arguments_and_changes_nothing(drop, grow, grow_value
     assert all(torch.equal(v, opt.state[layer.values][k]) for k, v in state.items())
 
 
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("no optimizer", TypeError, "optimizer must be a torch.optim.Optimizer, got NoneType"),
+        ("another optimizer", ValueError, r"the optimizer does not hold the values of sparse layer\(s\) \['layer'\]"),
+        ("not a layer", TypeError, "layer must be a snack.SparseLinear, got Linear"),
+    ],
+)
+def test_rewire_rejects_a_bad_layer_or_optimizer_and_changes_nothing(case, error, match):
+    layer = snack.SparseLinear(9, 12, sparsity=0.6)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, 9)).sum().backward()
+    opt.step()
+    inactive = sorted(set(range(108)) - set(linear_index(layer.topology).tolist()))
+    target, optimizer = layer, opt
+    if case == "no optimizer":
+        optimizer = None
+    elif case == "another optimizer":
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    else:
+        target = torch.nn.Linear(9, 12)
+    before = (layer.row.clone(), layer.col.clone(), layer.values.detach().clone())
+    state = {k: v.clone() for k, v in opt.state[layer.values].items()}
+    with pytest.raises(error, match=match):
+        rewire(target, optimizer, torch.tensor([0]), torch.tensor(inactive[:1]))
+    assert all(torch.equal(a, b) for a, b in zip(before, (layer.row, layer.col, layer.values)))
+    assert all(torch.equal(v, opt.state[layer.values][k]) for k, v in state.items())
+
+
 def test_the_stop_step_is_not_lost_to_floating_point_rounding():
     # 0.29 · 100 is 28.999999999999996
     assert DropSchedule(0.3, 1, 100, 0.29, "cosine").end_step == 29

@@ -21,6 +21,7 @@ never regrown in the same update (the issue's rule; RigL's reference code may re
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -40,6 +41,7 @@ __all__ = ["RigL", "SET", "DropGrow", "DynamicSparsity", "GradualPruning"]
 GROW_INITS = ("zero", "random")
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _ON_RANK_ZERO = object()  # RigL on several ranks: the records are gathered on rank 0, which decides
+_SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -56,6 +58,22 @@ def _check_fraction(value, name: str) -> float:
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def _check_seed(value) -> int:
+    value = _check_int(value, "seed", 0)
+    if value > _SEED_MAX:
+        raise ValueError(f"seed must be in [0, 2**64 - 1] (what torch.Generator.manual_seed takes), got {value}")
+    return value
+
+
+def _listed(layers):
+    """``layers`` as given, but a one-shot iterable (a generator, ``filter(...)``) as a list: a
+    constructor reads it more than once (the agreement across ranks, then the layers it names).
+    Never raises, so that every rank reaches the agreement first; :func:`_find_layers` checks."""
+    if layers is None or isinstance(layers, (str, nn.Module, list, tuple)) or not isinstance(layers, Iterable):
+        return layers
+    return list(layers)
 
 
 def _arguments(local_variables: dict) -> dict:
@@ -77,6 +95,14 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
     else:
         if isinstance(layers, (str, nn.Module)):
             layers = [layers]
+        if not isinstance(layers, Iterable):
+            raise TypeError(
+                "layers must be None (every SparseLinear), a layer's name or module, or an iterable of them, "
+                f"got {type(layers).__name__} {layers!r}"
+            )
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers is empty: name at least one SparseLinear (or pass None for all of them)")
         by_id = {id(m): name for name, m in named.items()}
         found = []
         for item in layers:
@@ -104,6 +130,10 @@ class DynamicSparsity:
     whose hooks are public.) With ``needs_gradient = True`` the layers' inputs and output
     gradients are recorded during each update step's training step (:meth:`recorded_batch`).
 
+    A frozen layer (``values.requires_grad`` False) stays among the layers acted on, but every
+    update made while it is frozen leaves it alone (nothing dropped, grown or pruned; nothing
+    recorded for it), so it can be unfrozen later.
+
     On several ranks (``torch.distributed`` initialized, e.g. under DDP) every rank must build it
     with the same arguments on the same model (checked first thing), call :meth:`step` on the
     same steps and load the same state; every rank then applies rank 0's update
@@ -115,11 +145,13 @@ class DynamicSparsity:
     _batches: tuple = ()  # with needs_gradient, during an update: per layer, what _recorded returned
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int, process_group=None):
+        layers = _listed(layers)
         self._agree_across_ranks(model, optimizer, dict(layers=layers, seed=seed, process_group=process_group))
         self.layers = _find_layers(model, layers)
-        check_optimizer(optimizer, {name: layer.values for name, layer in self.layers})
+        hint = ", or pass layers=... to act on fewer layers"
+        check_optimizer(optimizer, {name: layer.values for name, layer in self.layers}, hint=hint)
         self.optimizer = optimizer
-        self.seed = _check_int(seed, "seed", 0)
+        self.seed = _check_seed(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.step_count = 0
         self._capture = GradientCapture([layer for _, layer in self.layers]) if self.needs_gradient else None
@@ -130,12 +162,17 @@ class DynamicSparsity:
         """Advance one training step; update the topology if this is an update step.
 
         Returns ``True`` when some layer's topology changed. On error nothing changes (layers,
-        optimizer, step counter, RNG).
+        optimizer, step counter, RNG). The update runs with inference mode off, so a call made
+        under ``torch.inference_mode()`` still leaves trainable layers and optimizer state.
         """
         step = self.step_count + 1
         changed = False
         if self._is_update_step(step):
-            changed = self._update(step)
+            # Tensors made under inference mode (new values, optimizer state) could not be trained
+            # afterwards. inference_mode(False) also turns grad mode on: keep the caller's instead.
+            grad_enabled = torch.is_grad_enabled()
+            with torch.inference_mode(False), torch.set_grad_enabled(grad_enabled):
+                changed = self._update(step)
         self.step_count = step
         self._arm()
         return changed
@@ -153,7 +190,8 @@ class DynamicSparsity:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output of the same algorithm with the same configuration."""
-        expected = {"algorithm": type(self).__name__, "layers": [name for name, _ in self.layers], "config": self._config()}
+        layers = [name for name, _ in self.layers]
+        expected = {"algorithm": type(self).__name__, "layers": layers, "config": self._config()}
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(f"cannot load DST state: {key} is {state.get(key)!r}, this object has {value!r}")
@@ -251,15 +289,25 @@ class DynamicSparsity:
             for name, layer in self.layers:
                 check_state(self.optimizer, layer.values, name)
 
-        # on several ranks: the same step and topologies everywhere, before any other collective
-        check = (step, *self._fingerprints()) if group is not None else None
-        starting = "starting the update (step, a fingerprint of each layer's topology, optimizer state)"
+        # on several ranks: the same step, topologies and frozen layers everywhere, before any other
+        # collective (whether a layer's records are gathered depends on it)
+        frozen = self._frozen()
+        check = (step, *self._fingerprints(), frozen) if group is not None else None
+        starting = "starting the update (step, a fingerprint of each layer's topology, frozen layers, optimizer state)"
         distributed.agreed(group, starting, check_states, check)
         self._before_planning(step)
-        plan = lambda: [self._plan(step, i, name, layer) for i, (name, layer) in enumerate(self.layers)]  # noqa: E731
+
+        def plan() -> list:
+            return [
+                (_EMPTY, _EMPTY, None) if frozen[i] else self._plan(step, i, name, layer)
+                for i, (name, layer) in enumerate(self.layers)
+            ]
+
         choices = distributed.agreed(group, "choosing connections", plan)
         if group is not None:
-            choices = distributed.broadcast_choices(choices, self.layers[0][1].values.device, group)
+            device = self.layers[0][1].values.device
+            choices = distributed.broadcast_choices(choices, device, group)
+            distributed.broadcast_generator(self.generator, device, group)
 
         def rewire_all() -> list:
             return [
@@ -270,11 +318,18 @@ class DynamicSparsity:
 
         return distributed.agreed(group, "computing the new topologies", rewire_all)
 
+    def _frozen(self) -> tuple[bool, ...]:
+        """Per layer, whether it is frozen (``values.requires_grad`` False): left alone by this update."""
+        return tuple(not layer.values.requires_grad for _, layer in self.layers)
+
     def _before_planning(self, step: int) -> None:
         """Collective work every rank does before planning: with ``needs_gradient``, gather the
-        records (on several ranks, every rank's on rank 0)."""
+        records (on several ranks, every rank's on rank 0) of the layers not frozen."""
         if self._capture is not None:
-            self._batches = [self._recorded(step, i, layer) for i, (_, layer) in enumerate(self.layers)]
+            self._batches = [
+                None if frozen else self._recorded(step, i, layer)
+                for i, ((_, layer), frozen) in enumerate(zip(self.layers, self._frozen()))
+            ]
 
     def _count(self, step: int, layer: SparseLinear) -> int:
         """Connections the update at ``step`` replaces in ``layer`` (0: the layer is left alone)."""
@@ -308,7 +363,9 @@ class DropGrow(DynamicSparsity):
     remap, checking what the hooks return (``k`` unique positions each; grown ones inactive, or
     dropped by this update: a regrown connection restarts at its grow value with fresh optimizer
     state), all layers planned before any changes, and on several ranks one choice (rank 0's) for
-    all::
+    all. Frozen layers are left alone (see :class:`DynamicSparsity`); with ``needs_gradient``, so
+    is a layer whose recorded batch has a non-finite value (inf or NaN: an overflowed
+    mixed-precision step), with a ``RuntimeWarning`` naming it and the step::
 
         class RandomDropGradientGrow(snack.dst.DropGrow):
             needs_gradient = True
@@ -343,6 +400,7 @@ class DropGrow(DynamicSparsity):
     ):
         if type(self).grow is DropGrow.grow:  # a class property: every rank raises alike
             raise TypeError(f"{type(self).__name__} must implement grow(layer, k): DropGrow has no default growth")
+        layers = _listed(layers)
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
         drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         update_every = _check_int(update_every, "update_every", 1)
@@ -390,10 +448,22 @@ class DropGrow(DynamicSparsity):
             return _EMPTY, _EMPTY, None  # on several ranks, rank 0 decides from every rank's records
         if recorded is None:
             raise RuntimeError(
-                f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}; run the "
-                "forward and backward of the step through the model between dst.step() calls (a model compiled "
-                "with torch.compile(fullgraph=True) does not run the recording hooks: compile it without fullgraph)"
+                f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}. Run the "
+                "step's forward and backward through this layer between dst.step() calls; it records nothing if "
+                "the layer was not used in them, ran only under no_grad or inference mode, was frozen "
+                "(values.requires_grad False) during its forward, or ran in a model compiled with "
+                "torch.compile(fullgraph=True), which does not run the recording hooks (compile it without fullgraph)"
             )
+        if recorded and not all(bool(torch.isfinite(t).all()) for t in recorded):
+            # e.g. a mixed-precision step whose gradients overflowed (GradScaler skips its optimizer
+            # step): scores from inf/NaN would pick arbitrary positions. Decided here, where the
+            # records are (rank 0 on several ranks, whose choice every rank applies).
+            warnings.warn(
+                f"{type(self).__name__} update at step {step}: the batch recorded for layer {name!r} has non-finite "
+                "values (inf or NaN, e.g. an overflowed mixed-precision step); this layer is left alone at this update",
+                RuntimeWarning,
+            )
+            return _EMPTY, _EMPTY, None
         drop = self._hook_positions(self.drop(layer, k), "drop", name, k)
         grow = self._hook_positions(self.grow(layer, k), "grow", name, k)
         return drop, grow, self._grow_values(layer, k)
@@ -429,13 +499,17 @@ class SET(DropGrow):
         split_sign: SET's original drop rule (smallest positive and largest negative weights
             separately) instead of the smallest ``|w|``.
         grow_init: ``"zero"`` (new weights start at 0) or ``"random"`` (the layer's init).
-        layers: names or modules of the layers to act on (default: every ``SparseLinear``).
-        seed: seeds the RNG of the random growth.
+        layers: names or modules of the layers to act on, any iterable (default: every
+            ``SparseLinear``). A frozen one (``values.requires_grad`` False) is left alone
+            while it is frozen.
+        seed: seeds the RNG of the random growth, in ``[0, 2**64 - 1]``.
         process_group: the ranks that train this model together (default: all, when
             ``torch.distributed`` is initialized); see :class:`DynamicSparsity`.
     """
 
     def __init__(self, model, optimizer, *, split_sign: bool = False, **kwargs):
+        if "layers" in kwargs:
+            kwargs["layers"] = _listed(kwargs["layers"])
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
         if not isinstance(split_sign, bool):
             raise TypeError(f"split_sign must be a bool, got {split_sign!r}")
@@ -463,9 +537,12 @@ class RigL(DropGrow):
     of that forward, before the optimizer step, like the dense gradient RigL reads.
 
     Arguments as :class:`SET` (without ``split_sign``). An update step whose training step ran
-    no forward/backward through a layer raises ``RuntimeError``. On several ranks the records of
-    every rank are gathered first, so growth follows the gradient of the global batch, as
-    DDP's averaged gradient does (each rank then holds all ranks' records during the update).
+    no forward/backward through a layer raises ``RuntimeError``. A frozen layer
+    (``values.requires_grad`` False) records nothing and is left alone while it is frozen; a
+    layer whose recorded ``X`` or ``dY`` holds inf or NaN (an overflowed mixed-precision step) is
+    left alone at that update, with a ``RuntimeWarning``. On several ranks the records of every
+    rank are gathered first, so growth follows the gradient of the global batch, as DDP's
+    averaged gradient does (each rank then holds all ranks' records during the update).
     """
 
     needs_gradient = True
@@ -478,15 +555,21 @@ class RigL(DropGrow):
 class GradualPruning(DynamicSparsity):
     """Gradual magnitude pruning (Zhu & Gupta, 2017): nnz shrinks on a cubic schedule.
 
-    Every ``update_every`` steps from ``start_step`` to ``end_step``, each layer keeps its
-    largest-``|w|`` connections so that its density is ``d_l · (1 - s_t) / (1 - s_0)``, with
-    ``d_l`` and ``s_0`` the layer's density and the layers' overall sparsity at construction: all
-    layers shrink by the same ratio, so the layer-wise distribution chosen by ``sparsify`` (e.g.
-    ERK) is kept, and the overall sparsity is ``s_t``. ``s_t`` follows
-    :func:`snack.dst.schedules.cubic_sparsity` from ``initial_sparsity`` (default: ``s_0``) to
-    ``final_sparsity``; while ``s_t < s_0`` nothing is pruned. Nothing grows; the optimizer
-    state of survivors is kept. Start from ``sparsify(model, 0.0)`` for dense-to-sparse
-    training, or e.g. 0.5 → 0.9.
+    Every ``update_every`` steps from ``start_step``, and at ``end_step`` itself (so that the
+    final sparsity is reached when ``end_step - start_step`` is not a multiple of
+    ``update_every``), each layer keeps its largest-``|w|`` connections so that its density is
+    ``d_l · (1 - s_t) / (1 - s_0)``, with ``d_l`` and ``s_0`` the layer's density and the layers'
+    overall sparsity at construction: all layers shrink by the same ratio, so the layer-wise
+    distribution chosen by ``sparsify`` (e.g. ERK) is kept, and the overall sparsity is ``s_t``.
+    ``s_t`` follows :func:`snack.dst.schedules.cubic_sparsity` from ``initial_sparsity``
+    (default: ``s_0``) to ``final_sparsity``; while ``s_t < s_0`` nothing is pruned. Nothing
+    grows; the optimizer state of survivors is kept. A frozen layer (``values.requires_grad``
+    False) is not pruned while it is frozen, so the overall sparsity then stays below ``s_t``.
+    Start from ``sparsify(model, 0.0)`` for dense-to-sparse training, or e.g. 0.5 → 0.9.
+
+    To resume, build it with the same arguments, then :meth:`load_state_dict`: ``d_l``, ``s_0`` and
+    the default ``initial_sparsity`` come from the saved state, so the model may be loaded from the
+    checkpoint before or after construction.
     """
 
     def __init__(
@@ -503,20 +586,28 @@ class GradualPruning(DynamicSparsity):
         seed: int = 0,
         process_group=None,
     ):
+        layers = _listed(layers)
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
         final_sparsity = check_sparsity(final_sparsity, "final_sparsity")
         start_step = _check_int(start_step, "start_step", 0)
         end_step = _check_int(end_step, "end_step", start_step + 1)
         update_every = _check_int(update_every, "update_every", 1)
         found = _find_layers(model, layers)
-        total = sum(layer.out_features * layer.in_features for _, layer in found)
-        current = 1.0 - sum(layer.nnz for _, layer in found) / total
-        if initial_sparsity is None:
-            initial_sparsity = current
-        initial_sparsity = check_sparsity(initial_sparsity, "initial_sparsity")
-        if final_sparsity < initial_sparsity:
-            raise ValueError(f"final_sparsity ({final_sparsity}) must be >= initial_sparsity ({initial_sparsity})")
-        self.initial_sparsity, self.final_sparsity = initial_sparsity, final_sparsity
+        if initial_sparsity is not None:
+            initial_sparsity = check_sparsity(initial_sparsity, "initial_sparsity")
+            effective = initial_sparsity
+        else:
+            total = sum(layer.out_features * layer.in_features for _, layer in found)
+            effective = 1.0 - sum(layer.nnz for _, layer in found) / total
+            # A model this object pruned to final_sparsity, loaded before construction to resume, may
+            # be sparser by the rounding of each layer's count (half a connection each): not an error.
+            if final_sparsity < effective <= final_sparsity + len(found) / (2 * total):
+                effective = final_sparsity
+        if final_sparsity < effective:
+            raise ValueError(f"final_sparsity ({final_sparsity}) must be >= initial_sparsity ({effective})")
+        # the argument as given (None: derived) is configuration; the value in use is state
+        self._initial_sparsity_argument = initial_sparsity
+        self.initial_sparsity, self.final_sparsity = effective, final_sparsity
         self.start_step, self.end_step, self.update_every = start_step, end_step, update_every
         super().__init__(model, optimizer, layers=layers, seed=seed, process_group=process_group)
         # densities at the start, which the schedule scales down
@@ -527,23 +618,47 @@ class GradualPruning(DynamicSparsity):
         return cubic_sparsity(step, self.initial_sparsity, self.final_sparsity, self.start_step, self.end_step)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "initial_nnz": list(self.initial_nnz)}
+        state = super().state_dict()
+        return {**state, "initial_nnz": list(self.initial_nnz), "initial_sparsity": self.initial_sparsity}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output, including the layers' counts and overall sparsity at the
+        start of the saved run (which a model loaded before construction no longer has)."""
         initial_nnz = state.get("initial_nnz")
         if not isinstance(initial_nnz, list) or len(initial_nnz) != len(self.layers):
-            raise ValueError(f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, got {initial_nnz!r}")
+            raise ValueError(
+                f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, got {initial_nnz!r}"
+            )
+        config = state.get("config")
+        if "initial_sparsity" not in state and isinstance(config, dict) and "initial_sparsity" in config:
+            # saved before the initial sparsity was state: its config held the value in use
+            effective = config["initial_sparsity"]
+            if self._initial_sparsity_argument is None:
+                state = {**state, "config": {**config, "initial_sparsity": None}}
+        else:
+            effective = state.get("initial_sparsity")
+        if isinstance(effective, bool) or not isinstance(effective, (int, float)) or not (
+            0.0 <= effective <= self.final_sparsity
+        ):
+            raise ValueError(
+                f"cannot load DST state: initial_sparsity must be a number in [0, final_sparsity = "
+                f"{self.final_sparsity}], got {effective!r}"
+            )
         super().load_state_dict(state)
         self.initial_nnz = list(initial_nnz)
+        self.initial_sparsity = float(effective)
 
     def _config(self) -> dict:
         return {
-            "initial_sparsity": self.initial_sparsity, "final_sparsity": self.final_sparsity,
+            "initial_sparsity": self._initial_sparsity_argument, "final_sparsity": self.final_sparsity,
             "start_step": self.start_step, "end_step": self.end_step, "update_every": self.update_every,
         }
 
     def _is_update_step(self, step: int) -> bool:
-        return self.start_step <= step <= self.end_step and (step - self.start_step) % self.update_every == 0
+        if not self.start_step <= step <= self.end_step:
+            return False
+        # end_step too, or a schedule whose last multiple of update_every falls short would stop early
+        return (step - self.start_step) % self.update_every == 0 or step == self.end_step
 
     def _plan(self, step, index, name, layer):
         # Scaled from the density the layers had at the start (not 1 - initial_sparsity, which the

@@ -9,6 +9,11 @@ it equals the product of the calls concatenated along the batch. Several backwar
 one call (``retain_graph=True``) add up, as ``.grad`` does; so does ``torch.autograd.grad``
 through the layer (e.g. a gradient penalty's first pass), which ``.grad`` does not see.
 
+``X`` is recorded as a copy: an input changed in place once its backward is done (micro-batches
+copied into one reused buffer, an adversarial step ``x.data.add_``) would otherwise be scored as
+it is at the update, not as the forward saw it. Layers whose ``values`` do not require a gradient
+(frozen) record nothing: the algorithms leave them alone.
+
 Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
 elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
 see :func:`snack.dst.prune_grow.gradient_grow`).
@@ -38,10 +43,24 @@ class GradientCapture:
 
     def arm(self) -> None:
         if not self.armed:
-            self._handles = [
-                layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
-                for i, layer in enumerate(self.layers)
-            ]
+            self._register()
+
+    def _register(self) -> None:
+        self._handles = [
+            layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
+            for i, layer in enumerate(self.layers)
+        ]
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy, pickle) of an armed capture, made with its layers: the layers'
+        # copied hooks are inert (_RecordingHook.__reduce__), and the copied handles point at them.
+        # Replace them with live hooks of this copy, or it would think itself armed and record
+        # nothing. The records made so far are kept: the copy then updates as the original does.
+        self.__dict__.update(state)
+        if self._handles:
+            for handle in self._handles:
+                handle.remove()
+            self._register()
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -64,7 +83,10 @@ class GradientCapture:
     def record(self, index: int, x: Tensor, output: Tensor) -> None:
         """Keep ``x (*, in)`` and, when backward reaches ``output (*, out)``, its gradient."""
         layer = self.layers[index]
-        record = [x.detach().reshape(-1, layer.in_features), None]
+        # A copy, not the input itself: the caller may change the input in place once its backward
+        # is done (a reused buffer, an adversarial step), and the update must score what this
+        # forward saw. Only update steps record, so the copy is rare.
+        record = [x.detach().reshape(-1, layer.in_features).clone(), None]
         self._records[index].append(record)
 
         def grad_hook(grad: Tensor) -> None:
@@ -83,16 +105,18 @@ class _RecordingHook:
     """The forward hook :meth:`GradientCapture.arm` puts on layer ``index``.
 
     A copy of the model (``copy.deepcopy``, ``torch.save``) made while it is armed gets an inert
-    hook: the DST object acts on the original layers only.
+    hook: the DST object acts on the original layers only. A copy of the DST object made together
+    with the model replaces the inert hooks by its own (:meth:`GradientCapture.__setstate__`).
     """
 
     def __init__(self, capture: GradientCapture | None, index: int):
         self.capture, self.index = capture, index
 
     def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
-        # eval passes (no_grad or frozen) never get a gradient: nothing to record
+        # eval passes (no_grad) never get a gradient, and a frozen layer is not updated: nothing to record
         if self.capture is None or not (
             torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
+            and module.values.requires_grad
         ):
             return
         self.capture.record(self.index, args[0] if args else kwargs["input"], output)

@@ -210,6 +210,15 @@ def broadcast_choices(choices: list[Choice], device: torch.device, group) -> lis
     return result
 
 
+def broadcast_generator(generator: torch.Generator, device: torch.device, group) -> None:
+    """Set ``generator`` to rank 0's state on every rank: only rank 0 plans an update that needs
+    the gradient records (the others' draws would not happen), and the ranks' DST state must stay
+    one (a checkpoint of any rank resumes the same run)."""
+    state = generator.get_state().to(device)
+    dist.broadcast(state, dist.get_global_rank(group, 0), group=group)
+    generator.set_state(state.cpu())
+
+
 def _resized(tensor: Tensor, numel: int) -> Tensor:
     """``tensor`` if it has ``numel`` elements, else a buffer of that size to receive into (a rank
     other than 0 whose own choice had another size)."""

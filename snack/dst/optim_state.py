@@ -20,8 +20,9 @@ from torch import Tensor, nn
 __all__ = ["check_optimizer", "check_state", "remapped_state"]
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
-    """Raise unless ``optimizer`` is an optimizer holding every parameter of ``params`` (name → param)."""
+def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], *, hint: str = "") -> None:
+    """Raise unless ``optimizer`` is an optimizer holding every parameter of ``params`` (name → param)
+    whose state can be remapped; ``hint`` ends the message when it holds too few."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -29,7 +30,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
     if missing:
         raise ValueError(
             f"the optimizer does not hold the values of sparse layer(s) {missing}: build the optimizer from "
-            "the sparsified model's parameters (after snack.sparsify), or pass layers=... to act on fewer layers"
+            f"the sparsified model's parameters (after snack.sparsify){hint}"
         )
     for name, p in params.items():
         check_state(optimizer, p, name)

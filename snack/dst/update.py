@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from snack.dst.optim_state import remapped_state
+from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.dst.prune_grow import linear_index
 from snack.nn import SparseLinear
 
@@ -65,6 +65,11 @@ def plan_rewire(
     name: str = "layer",
 ) -> Rewiring:
     """What :func:`rewire` does, checked and computed but not applied (no side effects)."""
+    if not isinstance(layer, SparseLinear):
+        raise TypeError(f"{name}: layer must be a snack.SparseLinear, got {type(layer).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    check_optimizer(optimizer, {name: layer.values})
     values = layer.values
     drop = _positions(drop, "drop", name, layer.nnz, values.device)
     grow = _positions(grow, "grow", name, layer.out_features * layer.in_features, values.device)
@@ -111,6 +116,6 @@ def rewire(
     New connections get fresh optimizer state (:func:`snack.dst.optim_state.remapped_state`);
     survivors keep theirs (and their weights). Everything is checked and computed before the
     layer or optimizer changes, so an error (``TypeError``/``ValueError`` naming the bad
-    argument) leaves both as they were.
+    argument, e.g. an ``optimizer`` that does not hold ``layer.values``) leaves both as they were.
     """
     plan_rewire(layer, optimizer, drop, grow, grow_values=grow_values, name=name).apply()
