@@ -16,6 +16,7 @@ from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
     Topology,
+    outside_trace,
     check_shape,
     check_shape_pair,
     check_sparsity,
@@ -188,12 +189,11 @@ class SparseLinear(nn.Module):
         changed in place under ``torch.inference_mode`` is not noticed.)
         """
         row, col, cached = self.row, self.col, self._topology
-        if torch.jit.is_tracing() or torch.compiler.is_exporting():
-            # a fresh, uncached topology: the program records how the derived data follow from
-            # row and col (not the cache as constants), so it follows a state_dict loaded into it,
-            # and torch.jit.trace's two traces record the same ops
-            return Topology(row, col, (self.out_features, self.in_features), validate=False)
         if torch.compiler.is_compiling():
+            if cached is not None and torch.compiler.is_exporting():
+                # torch.export: the warm cache, held by the program as constants (deriving it from
+                # the buffers on every call took 23x a 2048² layer's batch-1 call); see README Limits
+                return cached
             # Dynamo cannot trace is_inference() or version counters: compiled code follows other
             # row/col tensors (functional_call) and the explicit resets (set_topology,
             # load_state_dict, .to()), not in-place changes of the buffers
@@ -208,7 +208,8 @@ class SparseLinear(nn.Module):
                     "must share one topology: vmap over the parameters only and pass the buffers unbatched "
                     "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
                 )
-            cached = Topology(row, col, (self.out_features, self.in_features))
+            with outside_trace():  # (torch.jit.trace: see outside_trace)
+                cached = Topology(row, col, (self.out_features, self.in_features))
             self._topology, self._topology_key = cached, _buffers_key(row, col)
         return cached
 

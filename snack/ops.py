@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from snack import backends, func
-from snack.topology import Topology, TopologyTensors
+from snack.topology import Topology, TopologyTensors, outside_trace
 
 __all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
 
@@ -384,8 +384,10 @@ def autocast_inputs(x: Tensor, values: Tensor, bias: Tensor | None) -> tuple[Ten
 def _autocast(device_type: str, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """``tensors``, each floating one but float64 in the autocast dtype of ``device_type`` when
     an autocast region for it is active; unchanged otherwise (and ``None`` stays ``None``)."""
-    # (a device without autocast, e.g. meta, is then refused by the device checks)
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return tensors
+    except RuntimeError:  # a device type without autocast (meta): the device checks refuse it
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(
@@ -413,9 +415,13 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
     """:func:`sparse_linear` without its argument checks, for callers that guarantee them
     (:class:`snack.SparseLinear` checks its input, and its own tensors are consistent)."""
     out_features, in_features = topology.shape
+    compiling = torch.compiler.is_compiling()  # torch.compile, torch.export
+    tracing = not compiling and torch._C._get_tracing_state() is not None  # torch.jit.trace
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
-    # torch.compile and torch.jit.trace record the custom op (with its registered autograd)
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if compiling or tracing:  # record the custom op, with its registered autograd
+        if tracing:
+            with outside_trace():  # the derived index data as constants (see outside_trace)
+                topology.tensors()
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
         if bias is not None:
             y = y + bias

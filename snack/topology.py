@@ -313,6 +313,20 @@ class Topology:
         return f"Topology(shape={self.shape}, nnz={self.nnz}, density={density:.4g}, device={self.device})"
 
 
+@contextlib.contextmanager
+def outside_trace():
+    """Suspend ``torch.jit.trace`` inside the block: what it computes is recorded as constants.
+    Topologies are built and derived in it, so that the two traces ``torch.jit.trace`` compares
+    record the same ops whether or not a cache was warm (a traced program holds the topology as
+    it was when traced)."""
+    tracing = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(tracing)
+
+
 def _derived(build) -> Tensor:
     """``build()``, as a normal tensor even inside ``torch.inference_mode`` or a ``torch.func``
     transform: the cache outlives the region. A later training step must be able to save it for

@@ -842,3 +842,43 @@ def test_gradual_pruning_reaches_final_sparsity_when_end_step_is_off_the_update_
     assert [t for t, f in enumerate(flags, start=1) if f] == [4, 8, 10]  # end_step too
     total = sum(m.out_features * m.in_features for m in layers)
     assert 1 - sum(m.nnz for m in layers) / total == pytest.approx(0.9, abs=0.005)
+
+
+def test_layers_given_as_a_set_follow_the_model_order():
+    """A set's iteration order differs between processes: the order a checkpoint records (and
+    the ranks compare) must not."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [name for name, m in model.named_modules() if isinstance(m, snack.SparseLinear)]
+    for layers in (set(names), frozenset(reversed(names)), {model.get_submodule(n) for n in names}):
+        assert snack.dst.SET(model, opt, total_steps=10, layers=layers).state_dict()["layers"] == names
+    assert snack.dst.distributed.comparable({"4", "0", "2"}, model) == sorted(["'0'", "'2'", "'4'"])
+
+
+def test_gradual_pruning_resumes_when_a_count_was_rounded_down_by_half_a_connection():
+    # 14 of 15 connections pruned to 70%: round(4.5) = 4 left, a little sparser than final_sparsity
+    row, col = torch.ones(3, 5).nonzero().T[:, :14]
+    layer = snack.SparseLinear.from_coo(row, col, torch.randn(14), (3, 5), bias=torch.zeros(3))
+    model = nn.Sequential(layer)
+    arguments = dict(final_sparsity=0.7, start_step=0, end_step=1, update_every=1)
+    pruning = snack.dst.GradualPruning(model, torch.optim.SGD(model.parameters(), lr=0.1), **arguments)
+    pruning.step()
+    assert layer.nnz == 4
+    resumed = nn.Sequential(snack.SparseLinear(5, 3, sparsity=0.1))
+    resumed.load_state_dict(model.state_dict())  # the model first, then the DST object
+    again = snack.dst.GradualPruning(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), **arguments)
+    again.load_state_dict(pruning.state_dict())
+    assert again.sparsity(1) == pruning.sparsity(1) == pytest.approx(0.7)
+
+
+def test_a_drop_grow_hook_returning_float_positions_names_the_hook():
+    class FloatGrowth(snack.dst.DropGrow):
+        def grow(self, layer, k):
+            return torch.zeros(k)
+
+    model = _model()
+    dst = FloatGrowth(model, torch.optim.SGD(model.parameters(), lr=0.1), update_every=1, total_steps=4)
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(TypeError, match=r"FloatGrowth\.grow must return integer positions for layer '0', got torch.float32"):
+        dst.step()

@@ -71,7 +71,8 @@ def _listed(layers):
     """``layers`` as given, but a one-shot iterable (a generator, ``filter(...)``) as a list: a
     constructor reads it more than once (the agreement across ranks, then the layers it names).
     Never raises, so that every rank reaches the agreement first; :func:`_find_layers` checks."""
-    if layers is None or isinstance(layers, (str, nn.Module, list, tuple)) or not isinstance(layers, Iterable):
+    reusable = (str, nn.Module, list, tuple, set, frozenset)
+    if layers is None or isinstance(layers, reusable) or not isinstance(layers, Iterable):
         return layers
     return list(layers)
 
@@ -100,6 +101,7 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
                 "layers must be None (every SparseLinear), a layer's name or module, or an iterable of them, "
                 f"got {type(layers).__name__} {layers!r}"
             )
+        unordered = isinstance(layers, (set, frozenset))  # its order differs between processes
         layers = list(layers)
         if not layers:
             raise ValueError("layers is empty: name at least one SparseLinear (or pass None for all of them)")
@@ -116,6 +118,9 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
                 raise ValueError(f"layers: {item!r} is not a SparseLinear of the model")
         if len({name for name, _ in found}) != len(found):
             raise ValueError("layers: a layer is listed twice")
+        if unordered:  # the model's order, the same in every process (state_dict, several ranks)
+            order = {name: i for i, name in enumerate(named)}
+            found.sort(key=lambda pair: order[pair[0]])
     if not found:
         raise ValueError("the model has no SparseLinear layers to act on: call snack.sparsify(model, ...) first")
     return found
@@ -474,6 +479,10 @@ class DropGrow(DynamicSparsity):
         if not isinstance(positions, Tensor) or positions.shape != (k,):
             shown = f"shape {tuple(positions.shape)}" if isinstance(positions, Tensor) else type(positions).__name__
             raise ValueError(f"{type(self).__name__}.{hook} must return {k} positions for layer {name!r}, got {shown}")
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(
+                f"{type(self).__name__}.{hook} must return integer positions for layer {name!r}, got {positions.dtype}"
+            )
         return positions
 
     def _grow_values(self, layer: SparseLinear, k: int) -> Tensor | None:
@@ -601,7 +610,7 @@ class GradualPruning(DynamicSparsity):
             effective = 1.0 - sum(layer.nnz for _, layer in found) / total
             # A model this object pruned to final_sparsity, loaded before construction to resume, may
             # be sparser by the rounding of each layer's count (half a connection each): not an error.
-            if final_sparsity < effective <= final_sparsity + len(found) / (2 * total):
+            if final_sparsity < effective <= final_sparsity + (len(found) / 2 + 1e-6) / total:
                 effective = final_sparsity
         if final_sparsity < effective:
             raise ValueError(f"final_sparsity ({final_sparsity}) must be >= initial_sparsity ({effective})")

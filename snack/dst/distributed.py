@@ -98,6 +98,8 @@ def comparable(value, model):
     the same: modules by their name in ``model``, numbers and strings by ``repr`` (NaN too)."""
     if isinstance(value, (list, tuple)):
         return [comparable(item, model) for item in value]
+    if isinstance(value, (set, frozenset)):  # its order differs between processes
+        return sorted(comparable(item, model) for item in value)
     if isinstance(value, nn.Module):
         for name, module in model.named_modules() if isinstance(model, nn.Module) else ():
             if module is value:
