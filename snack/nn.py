@@ -16,11 +16,11 @@ from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
     Topology,
-    outside_trace,
     check_shape,
     check_shape_pair,
     check_sparsity,
     coo_from_dense,
+    outside_trace,
     random_coo,
     sort_coo,
     validate_coo,
