@@ -118,6 +118,8 @@ class SparseLinear(nn.Module):
         if isinstance(linear_or_weight, nn.Linear):
             if bias is not None:
                 raise ValueError("bias must not be given with an nn.Linear; its own bias is used")
+            if linear_or_weight._forward_pre_hooks:
+                raise ValueError(f"linear_or_weight: {_PRE_HOOKS}; remove them first (e.g. prune.remove(linear, 'weight'))")
             weight, bias = linear_or_weight.weight, linear_or_weight.bias
         elif isinstance(linear_or_weight, Tensor):
             weight = linear_or_weight
@@ -261,7 +263,13 @@ class SparseLinear(nn.Module):
         # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
         # on its own, traced code would not)
         self._topology = None
-        return super()._apply(fn, recurse)
+        row, col = self.row, self.col
+        module = super()._apply(fn, recurse)
+        if self.row.dtype != torch.int32:
+            # nn.Module.type(dtype) casts integer buffers too (float16 would even round them):
+            # the coordinates stay int32, on the device fn chose
+            self.row, self.col = row.to(self.row.device), col.to(self.col.device)
+        return module
 
     # ------------------------------------------------------------------ forward
 
@@ -464,6 +472,13 @@ def _conv1d_class():
     return getattr(module, "Conv1D", None)
 
 
+# why a layer with forward pre-hooks is not converted
+_PRE_HOOKS = (
+    "it has forward pre-hooks, which may recompute .weight at each forward (torch.nn.utils.prune, weight_norm, "
+    "spectral_norm), so .weight may be stale, and a sparse layer would not carry them"
+)
+
+
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """``(weight (out, in), bias)`` of a layer ``sparsify`` converts, else ``None``."""
     if type(module) is nn.Linear:  # not subclasses: see sparsify
@@ -474,10 +489,14 @@ def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | 
     return None
 
 
-def _selected(name: str, include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
-    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
-        return False
-    return not (exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in exclude))
+def _selected(names: list[str], include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
+    """Whether a module reachable under ``names`` (several when shared) is converted: one of its
+    names is included, and none is excluded."""
+
+    def matches(patterns: Iterable[str]) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for name in names for p in patterns)
+
+    return (include is None or matches(include)) and not (exclude is not None and matches(exclude))
 
 
 def _patterns(value, name: str) -> list[str] | None:
@@ -543,20 +562,25 @@ def sparsify(
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
 
     Each new layer keeps its predecessor's training mode and frozen parameters; a layer shared
-    between places becomes one shared :class:`SparseLinear`. Hooks registered on a replaced layer
-    are not carried over. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
+    between places becomes one shared :class:`SparseLinear` (selected when one of its names is
+    included and none excluded). Hooks registered on a replaced layer are not carried over; a
+    layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
+    may be stale, stays dense, with a warning. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
     may read ``.weight`` (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward``
     may differ; convert one deliberately with :meth:`SparseLinear.from_dense`.
     """
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
-    targets, subclassed = {}, []
+    targets, subclassed, hooked = {}, [], []
     for child, names in _modules_by_identity(module).values():
-        if not _selected(names[0], include, exclude):
+        if not _selected(names, include, exclude):
             continue
         if (wb := _dense_weight_and_bias(child)) is not None:
-            targets[names[0]] = (child, names, *wb)
+            if child._forward_pre_hooks:
+                hooked.append(names[0] or "(root)")
+            else:
+                targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
             subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__})")
     if subclassed:
@@ -564,6 +588,12 @@ def sparsify(
             f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
             "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
             "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
+            stacklevel=2,
+        )
+    if hooked:
+        warnings.warn(
+            f"sparsify left {len(hooked)} layer(s) dense: {', '.join(hooked)}: {_PRE_HOOKS}. Remove the hooks "
+            "first (e.g. prune.remove(layer, 'weight')), or exclude the layers to silence this warning.",
             stacklevel=2,
         )
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}

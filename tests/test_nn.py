@@ -582,6 +582,47 @@ def test_sparsify_converts_a_shared_layer_once_for_all_its_places():
     assert isinstance(back[0], nn.Linear) and back[2] is back[0]
 
 
+@pytest.mark.parametrize("pattern", ["include", "exclude"])
+def test_a_shared_layer_is_selected_by_any_of_its_names(pattern):
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))  # names 0.0 and 1.0
+    model = snack.sparsify(model, 0.5, **{pattern: "1.*"})
+    assert isinstance(model[1][0], SparseLinear) is (pattern == "include")
+    assert model[0][0] is model[1][0]
+
+
+def test_a_layer_with_forward_pre_hooks_is_not_converted_from_a_stale_weight():
+    """torch.nn.utils.prune recomputes .weight from weight_orig and its mask in a forward
+    pre-hook: after an optimizer step .weight is the previous forward's."""
+    prune = pytest.importorskip("torch.nn.utils.prune")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    model(torch.randn(2, 8)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()  # weight_orig moves; .weight is stale
+    with pytest.raises(ValueError, match="forward pre-hooks.*prune.remove"):
+        SparseLinear.from_dense(model[0])
+    with pytest.warns(UserWarning, match=r"left 1 layer\(s\) dense: 0: it has forward pre-hooks"):
+        snack.sparsify(model, 0.5)
+    assert type(model[0]) is nn.Linear and isinstance(model[2], SparseLinear)
+    prune.remove(model[0], "weight")  # makes the current pruned weight the weight
+    layer = SparseLinear.from_dense(model[0])
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), model[0](x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_module_type_casts_the_values_but_keeps_int32_coordinates(dtype):
+    layer = SparseLinear(3000, 4, sparsity=0.9)  # columns above 2048, which float16 would round
+    row, col = layer.row.clone(), layer.col.clone()
+    model = nn.Sequential(layer).type(dtype)
+    assert layer.values.dtype == dtype and layer.row.dtype == layer.col.dtype == torch.int32
+    assert torch.equal(layer.row, row) and torch.equal(layer.col, col)
+    if dtype == torch.float64:
+        x = torch.randn(2, 3000, dtype=dtype)
+        torch.testing.assert_close(model(x), x @ layer.to_dense().T + layer.bias)
+
+
 def test_sparsify_and_densify_keep_training_mode_and_frozen_parameters():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     model[0].requires_grad_(False)
