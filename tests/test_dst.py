@@ -882,3 +882,32 @@ def test_a_drop_grow_hook_returning_float_positions_names_the_hook():
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(TypeError, match=r"FloatGrowth\.grow must return integer positions for layer '0', got torch.float32"):
         dst.step()
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.29, 29), (0.57, 57), (0.58, 58)])
+def test_the_replaced_count_is_the_exact_floor_of_fraction_times_nnz(fraction, expected):
+    layer = snack.SparseLinear(20, 20, sparsity=0.75)  # nnz = 100; 0.29 · 100 = 28.999999999999996 in binary
+    dst = snack.dst.SET(layer, torch.optim.SGD(layer.parameters(), lr=0.1), drop_fraction=fraction,
+                        update_every=1, total_steps=10, schedule="constant")
+    before = set(linear_index(layer.topology).tolist())
+    assert dst.step()
+    assert len(before - set(linear_index(layer.topology).tolist())) == expected
+
+
+def test_rigl_under_vmap_records_nothing_and_says_so():
+    """Per-sample gradients (vmap of grad) would record vmap's batched tensors, which must not escape it."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=1, total_steps=4)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss(params, x, y):
+        out = torch.func.functional_call(model, (params, buffers), (x[None],))
+        return nn.functional.cross_entropy(out, y[None])
+
+    x, y = _batches(1)[0]
+    torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    with pytest.raises(RuntimeError, match="ran inside torch.func.vmap"):
+        dst.step()
+    assert dst.step_count == 0

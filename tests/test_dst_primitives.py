@@ -40,16 +40,29 @@ def test_random_grow_returns_distinct_inactive_positions(sparsity):
     assert int(grown.min()) >= 0 and int(grown.max()) < 600
 
 
-def test_random_grow_is_uniform_over_inactive_positions():
+@pytest.mark.parametrize("k", [3, 8], ids=["by-rejection", "most-inactive-listed"])
+def test_random_grow_is_uniform_over_inactive_positions(k):
     topo = _topology(4, 5, 0.5)
     inactive = (~torch.isin(torch.arange(20), linear_index(topo))).nonzero().squeeze(1)
+    assert 2 * 3 <= inactive.numel() < 2 * 8  # the two ways of drawing
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(20)
     for _ in range(2000):
-        counts[random_grow(topo, 3, gen)] += 1
-    expected = 2000 * 3 / inactive.numel()
+        grown = random_grow(topo, k, gen)
+        assert torch.equal(grown, grown.unique()) and grown.numel() == k
+        counts[grown] += 1
+    expected = 2000 * k / inactive.numel()
     assert counts[linear_index(topo)].sum() == 0
     assert ((counts[inactive] - expected).abs() < 0.15 * expected).all()
+
+
+def test_random_grow_of_every_inactive_position_is_quick_and_exact():
+    """Rejection sampling would hunt the last few for seconds (a coupon collector's tail)."""
+    topo = _topology(512, 512, 0.1)
+    inactive = 512 * 512 - topo.nnz
+    grown = random_grow(topo, inactive, torch.Generator().manual_seed(0))
+    everything = torch.cat([grown, linear_index(topo)]).sort().values
+    assert torch.equal(everything, torch.arange(512 * 512))
 
 
 def test_random_grow_refuses_more_than_the_inactive_positions():
@@ -173,3 +186,16 @@ def test_cubic_sparsity_ramp():
     assert cubic_sparsity(0, 0.5, 0.9, 10, 110) == 0.5
     assert cubic_sparsity(200, 0.5, 0.9, 10, 110) == 0.9
     assert math.isclose(cubic_sparsity(60, 0.5, 0.9, 10, 110), 0.9 - 0.4 * 0.125)
+
+
+def test_rewire_under_inference_mode_leaves_an_optimizer_that_can_step():
+    layer = snack.SparseLinear(9, 12, sparsity=0.6)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, 9)).sum().backward()
+    opt.step()
+    inactive = sorted(set(range(108)) - set(linear_index(layer.topology).tolist()))
+    with torch.inference_mode():
+        snack.dst.rewire(layer, opt, torch.tensor([0, 1]), torch.tensor(inactive[:2]))
+    assert not any(t.is_inference() for t in opt.state[layer.values].values() if torch.is_tensor(t))
+    layer(torch.randn(2, 9)).sum().backward()
+    opt.step()  # in-place updates of the remapped state

@@ -225,7 +225,7 @@ class DynamicSparsity:
         if recorded is None or recorded is _ON_RANK_ZERO:
             raise RuntimeError(
                 "recorded_batch: no batch is recorded for this layer now; it is available while an update of an "
-                "algorithm with needs_gradient = True is planned"
+                "algorithm with needs_gradient = True (a class attribute, read when the object is built) is planned"
             )
         return recorded
 
@@ -433,7 +433,8 @@ class DropGrow(DynamicSparsity):
     def _count(self, step: int, layer: SparseLinear) -> int:
         """Connections to replace: ``floor(fraction · nnz)``, at most the inactive positions."""
         inactive = layer.out_features * layer.in_features - layer.nnz
-        return min(math.floor(self.schedule.fraction(step) * layer.nnz), inactive)
+        # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
+        return min(math.floor(round(self.schedule.fraction(step) * layer.nnz, 9)), inactive)
 
     def drop(self, layer: SparseLinear, k: int) -> Tensor:
         """``(k,)`` unique positions into ``layer.values`` of the connections to remove; by
@@ -448,7 +449,7 @@ class DropGrow(DynamicSparsity):
 
     def _plan(self, step, index, name, layer):
         k = self._count(step, layer)
-        recorded = self._batches[index] if self.needs_gradient else ()
+        recorded = self._batches[index] if self._capture is not None else ()
         if k == 0 or recorded is _ON_RANK_ZERO:
             return _EMPTY, _EMPTY, None  # on several ranks, rank 0 decides from every rank's records
         if recorded is None:
@@ -456,7 +457,8 @@ class DropGrow(DynamicSparsity):
                 f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}. Run the "
                 "step's forward and backward through this layer between dst.step() calls; it records nothing if "
                 "the layer was not used in them, ran only under no_grad or inference mode, was frozen "
-                "(values.requires_grad False) during its forward, or ran in a model compiled with "
+                "(values.requires_grad False) during its forward, ran inside torch.func.vmap (per-sample gradients: "
+                "its batched tensors cannot be recorded), or ran in a model compiled with "
                 "torch.compile(fullgraph=True), which does not run the recording hooks (compile it without fullgraph)"
             )
         if recorded and not all(bool(torch.isfinite(t).all()) for t in recorded):

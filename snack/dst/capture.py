@@ -101,6 +101,11 @@ class GradientCapture:
         output.register_hook(grad_hook)
 
 
+def _inside_vmap() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack()
+    return bool(stack) and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
+
+
 class _RecordingHook:
     """The forward hook :meth:`GradientCapture.arm` puts on layer ``index``.
 
@@ -113,11 +118,12 @@ class _RecordingHook:
         self.capture, self.index = capture, index
 
     def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
-        # eval passes (no_grad) never get a gradient, and a frozen layer is not updated: nothing to record
+        # eval passes (no_grad) never get a gradient, and a frozen layer is not updated: nothing to
+        # record; nor inside torch.func.vmap, whose batched tensors must not escape it
         if self.capture is None or not (
             torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
             and module.values.requires_grad
-        ):
+        ) or _inside_vmap():
             return
         self.capture.record(self.index, args[0] if args else kwargs["input"], output)
 

@@ -59,8 +59,11 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 
     Candidates are drawn uniformly over all ``out · in`` positions (on the CPU ``generator``),
     active ones rejected by binary search in the sorted active positions, duplicates removed,
-    until ``k`` remain; then a uniformly random ``k``-subset is kept. The inactive set is never
-    enumerated. Memory is O(nnz + k). Returns ``(k,)`` int64, sorted, on the topology's device.
+    until ``k`` remain; then a uniformly random ``k``-subset is kept. When ``k`` is more than
+    half the inactive positions, rejection would spend most of its draws finding the last few
+    (a coupon collector's tail): the inactive positions are then listed from the gaps between
+    active ones (fewer than ``2k``) and a random ``k`` of them kept. Memory is O(nnz + k).
+    Returns ``(k,)`` int64, sorted, on the topology's device.
     """
     out_features, in_features = topology.shape
     total = out_features * in_features
@@ -68,6 +71,10 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
     if k > inactive:
         raise ValueError(f"cannot grow {k} connections: only {inactive} positions are inactive")
     active = linear_index(topology).cpu()
+    if 2 * k > inactive:
+        candidates = _inactive_positions(active, total)
+        keep = torch.randperm(inactive, generator=generator)[:k]
+        return candidates[keep].sort().values.to(topology.device)
     found = torch.empty(0, dtype=torch.int64)
     while found.numel() < k:
         missing = k - found.numel()
@@ -83,6 +90,16 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
         # so a uniformly random k-subset of them is a uniform k-subset of the inactive set
         found = found[torch.randperm(found.numel(), generator=generator)[:k]].sort().values
     return found.to(topology.device)
+
+
+def _inactive_positions(active: Tensor, total: int) -> Tensor:
+    """``(total - nnz,)`` int64: every position in ``[0, total)`` not in the sorted ``active``,
+    in order, listed gap by gap (O(nnz + output), no ``total``-sized tensor)."""
+    starts = torch.cat([active.new_zeros(1), active + 1])  # each gap begins after an active position
+    lengths = torch.cat([active, active.new_full((1,), total)]) - starts
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each gap begins in the output
+    gap = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return starts[gap] + torch.arange(gap.numel()) - offsets[gap]
 
 
 @torch.no_grad()

@@ -54,7 +54,6 @@ def _positions(tensor, argument: str, name: str, limit: int, device: torch.devic
     return tensor
 
 
-@torch.no_grad()
 def plan_rewire(
     layer: SparseLinear,
     optimizer: torch.optim.Optimizer,
@@ -65,6 +64,12 @@ def plan_rewire(
     name: str = "layer",
 ) -> Rewiring:
     """What :func:`rewire` does, checked and computed but not applied (no side effects)."""
+    # new optimizer state made under inference mode could never be stepped in place
+    with torch.inference_mode(False), torch.no_grad():
+        return _plan_rewire(layer, optimizer, drop, grow, grow_values, name)
+
+
+def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
     if not isinstance(layer, SparseLinear):
         raise TypeError(f"{name}: layer must be a snack.SparseLinear, got {type(layer).__name__}")
     if not isinstance(name, str):
