@@ -192,9 +192,10 @@ class SparseLinear(nn.Module):
         """
         row, col, cached = self.row, self.col, self._topology
         if torch.compiler.is_compiling():
-            if cached is not None and torch.compiler.is_exporting():
-                # torch.export: the warm cache, held by the program as constants (deriving it from
-                # the buffers on every call took 23x a 2048² layer's batch-1 call); see README Limits
+            if cached is not None and self._topology_key is not None and torch.compiler.is_exporting():
+                # torch.export: the warm cache eager code built for the layer's own buffers, held by
+                # the program as constants (deriving it from the buffers on every call took 23x a
+                # 2048² layer's batch-1 call); see README Limits
                 return cached
             # Dynamo cannot trace is_inference() or version counters: compiled code follows other
             # row/col tensors (functional_call) and the explicit resets (set_topology,
