@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from snack import backends, func
-from snack.topology import Topology, TopologyTensors, outside_trace
+from snack.topology import Topology, TopologyTensors
 
 __all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
 
@@ -419,9 +419,6 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
     tracing = not compiling and torch._C._get_tracing_state() is not None  # torch.jit.trace
     x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
     if compiling or tracing:  # record the custom op, with its registered autograd
-        if tracing:
-            with outside_trace():  # the derived index data as constants (see outside_trace)
-                topology.tensors()
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
         if bias is not None:
             y = y + bias

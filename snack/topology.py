@@ -265,6 +265,15 @@ class Topology:
         self._csc_perm: Tensor | None = None
         self._colptr: Tensor | None = None
 
+    @classmethod
+    def with_index_data(
+        cls, row: Tensor, col: Tensor, shape: tuple[int, int], rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
+    ) -> Topology:
+        """A topology whose derived data were built elsewhere (``row``/``col`` not validated here)."""
+        topology = cls(row, col, shape, validate=False)
+        topology._rowptr, topology._colptr, topology._csc_perm = rowptr, colptr, csc_perm
+        return topology
+
     @property
     def nnz(self) -> int:
         return self.row.numel()
@@ -311,20 +320,6 @@ class Topology:
         out_features, in_features = self.shape
         density = self.nnz / (out_features * in_features)
         return f"Topology(shape={self.shape}, nnz={self.nnz}, density={density:.4g}, device={self.device})"
-
-
-@contextlib.contextmanager
-def outside_trace():
-    """Suspend ``torch.jit.trace`` inside the block: what it computes is recorded as constants.
-    Topologies are built and derived in it, so that the two traces ``torch.jit.trace`` compares
-    record the same ops whether or not a cache was warm (a traced program holds the topology as
-    it was when traced)."""
-    tracing = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        yield
-    finally:
-        torch._C._set_tracing_state(tracing)
 
 
 def _derived(build) -> Tensor:

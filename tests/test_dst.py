@@ -911,3 +911,25 @@ def test_rigl_under_vmap_records_nothing_and_says_so():
     with pytest.raises(RuntimeError, match="ran inside torch.func.vmap"):
         dst.step()
     assert dst.step_count == 0
+
+
+@pytest.mark.parametrize("vectorized", ["jacrev", "is_grads_batched"])
+def test_a_vectorized_backward_on_an_update_step_adds_nothing_to_rigl_records(vectorized):
+    """A Jacobian (vmap over the backward) carries many cotangents, not the loss's dY."""
+    runs = []
+    for extra in (False, True):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dst = snack.dst.RigL(model, opt, update_every=1, total_steps=4)
+        x, y = _batches(1)[0]
+        x.requires_grad_(True)
+        out = model(x)
+        if extra and vectorized == "jacrev":
+            torch.func.jacrev(lambda inp: model(inp).sum(0))(x.detach())
+        elif extra:
+            cotangents = torch.eye(4).repeat(8, 1, 1).permute(1, 0, 2)
+            torch.autograd.grad(out, x, cotangents, is_grads_batched=True, retain_graph=True)
+        nn.functional.cross_entropy(out, y).backward()
+        assert dst.step()
+        runs.append([layer.col.clone() for layer in _sparse_layers(model)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -105,7 +105,8 @@ def test_torch_jit_trace_matches_eager_and_saves(tmp_path):
     model = nn.Sequential(layer, nn.ReLU())
     x = torch.randn(5, 10, requires_grad=True)
     traced = torch.jit.trace(model, x)
-    assert "sort" not in str(traced.inlined_graph)  # the derived index data are constants
+    graph = str(traced.inlined_graph)
+    assert "snack::topology_index_data" in graph and "sort" not in graph  # derived once per topology, not per call
     torch.jit.save(traced, tmp_path / "model.pt")
     loaded = torch.jit.load(tmp_path / "model.pt")
     for batch in (5, 1, 7):
@@ -131,26 +132,57 @@ def _same_size_other(layer: SparseLinear) -> SparseLinear:
 
 @pytest.mark.parametrize("warm", [False, True], ids=["exported-first", "eager-first"])
 def test_torch_export_with_dynamic_batch_matches_eager(tmp_path, warm):
-    """``torch.export`` records the custom op. After an eager call the program holds the derived
-    index data as constants (it sorts nothing per call); exported first, it derives them from its
-    buffers, and so follows another layer's state loaded into it."""
+    """``torch.export`` records the custom op and how the derived index data follow from the
+    buffers, warm cache or not: the program follows another layer's state loaded into it."""
     layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
     if warm:
-        layer(torch.randn(2, 10))  # builds the cache
+        layer(torch.randn(2, 10))  # builds the cache, which the program must not hold as constants
+    else:
+        layer.topology  # a cache with nothing derived yet, which export must not fill with fake tensors
     batch = torch.export.Dim("batch")
     program = torch.export.export(layer, (torch.randn(5, 10),), dynamic_shapes=({0: batch},))
-    sorts = [node for node in program.graph.nodes if node.target is torch.ops.aten.sort.stable]
-    assert bool(sorts) is not warm
+    assert not any(node.target is torch.ops.aten.sort.stable for node in program.graph.nodes)  # not per call
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(layer(x), dense_forward_and_grads(layer, x, torch.ones(3, 12))[0])
     torch.export.save(program, tmp_path / "layer.pt2")
     loaded = torch.export.load(tmp_path / "layer.pt2").module()
     for rows in (5, 1, 7):
         x = torch.randn(rows, 10)
         torch.testing.assert_close(loaded(x), dense_forward_and_grads(layer, x, torch.ones(rows, 12))[0])
-    if not warm:
-        other = _same_size_other(layer)
-        loaded.load_state_dict(other.state_dict(), strict=False)  # (the program holds no _extra_state)
-        x = torch.randn(3, 10)
-        torch.testing.assert_close(loaded(x), dense_forward_and_grads(other, x, torch.ones(3, 12))[0])
+    other = _same_size_other(layer)
+    loaded.load_state_dict(other.state_dict(), strict=False)  # (the program holds no _extra_state)
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(loaded(x), dense_forward_and_grads(other, x, torch.ones(3, 12))[0])
+    with torch.no_grad():
+        loaded.col[1] = loaded.col[0]  # coordinates the program is given are validated
+        loaded.row[1] = loaded.row[0]
+    with pytest.raises(ValueError, match="duplicate coordinate"):
+        loaded(x)
+
+
+def test_topology_index_data_op_passes_opcheck_and_matches_the_topology():
+    layer = make_layer(12, 10, 0.7, empty_rows=(3,), empty_cols=(4,))
+    got = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 10)
+    topology = layer.topology
+    for part, expected in zip(got, (topology.rowptr, topology.colptr, topology.csc_perm)):
+        assert torch.equal(part, expected) and part.data_ptr() != expected.data_ptr()  # copies
+    torch.library.opcheck(torch.ops.snack.topology_index_data, (layer.row, layer.col, 12, 10))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # Topology's validation, traced
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_a_traced_function_follows_the_coordinates_it_is_given():
+    a = make_layer(12, 10, 0.7, dtype=torch.float32)
+    b = _same_size_other(a)
+
+    def f(x, values, row, col):
+        return snack.ops.sparse_linear(x, values, snack.Topology(row, col, (12, 10)))
+
+    x = torch.randn(4, 10)
+    traced = torch.jit.trace(f, (x, a.values.detach(), a.row, a.col))
+    for layer in (a, b):
+        expected = x @ layer.to_dense().detach().T
+        torch.testing.assert_close(traced(x, layer.values.detach(), layer.row, layer.col), expected)
 
 
 def test_torch_compile_follows_buffers_passed_by_functional_call():

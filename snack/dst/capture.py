@@ -90,6 +90,10 @@ class GradientCapture:
         self._records[index].append(record)
 
         def grad_hook(grad: Tensor) -> None:
+            # a vmapped backward (jacrev; autograd.grad(is_grads_batched=True), whose legacy batched
+            # tensors cannot even be detached) carries many cotangents, not the loss's dY
+            if _inside_vmap() or torch._C._functorch.is_legacy_batchedtensor(grad):
+                return
             grad = grad.detach().reshape(-1, layer.out_features)
             record[1] = grad if record[1] is None else record[1] + grad
 
