@@ -15,6 +15,7 @@ from snack.backends.derived import derived, held
 from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
+    INDEX_DTYPE,
     Topology,
     check_shape,
     check_shape_pair,
@@ -395,13 +396,15 @@ def _topology_index_data(row: Tensor, col: Tensor, out_features: int, in_feature
         topology = Topology(row, col, shape)  # validates: a program may hold any loaded coordinates
         return torch.cat([topology.rowptr, topology.colptr, topology.csc_perm])
 
-    packed = derived("topology_index_data", (row, col), build)
+    # the shape is part of the key: one row/col pair may serve layers of other shapes
+    packed = derived(f"topology_index_data/{out_features}x{in_features}", (row, col), build)
     return tuple(part.clone() for part in packed.split([out_features + 1, in_features + 1, row.numel()]))
 
 
 @_topology_index_data.register_fake
 def _(row, col, out_features, in_features):
-    return row.new_empty(out_features + 1), col.new_empty(in_features + 1), col.new_empty(col.shape[0])
+    index = dict(dtype=INDEX_DTYPE, device=row.device)  # what Topology derives, whatever row/col's dtype
+    return torch.empty(out_features + 1, **index), torch.empty(in_features + 1, **index), torch.empty(col.shape[0], **index)
 
 
 def _is_batched(tensor: Tensor) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from snack.backends import derived as derived_module
@@ -65,3 +66,17 @@ def test_held_lists_what_is_cached_from_any_given_source():
     assert {id(t) for t in held(a)} == {id(from_a), id(from_ab)}
     assert [id(t) for t in held(b)] == [id(from_ab)]
     assert held(other) == []
+
+
+def test_a_build_that_raises_caches_nothing_and_leaves_no_finalizer():
+    source = torch.arange(4)
+    before = len(weakref.finalize._registry)
+
+    def failing_build():
+        raise ValueError("invalid coordinates")
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="invalid coordinates"):
+            derived("failing", (source,), failing_build)
+    assert len(weakref.finalize._registry) == before
+    assert derived("failing", (source,), lambda: source * 2).tolist() == [0, 2, 4, 6]  # a later build is cached

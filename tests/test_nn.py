@@ -167,6 +167,14 @@ def test_topology_index_data_op_passes_opcheck_and_matches_the_topology():
     for part, expected in zip(got, (topology.rowptr, topology.colptr, topology.csc_perm)):
         assert torch.equal(part, expected) and part.data_ptr() != expected.data_ptr()  # copies
     torch.library.opcheck(torch.ops.snack.topology_index_data, (layer.row, layer.col, 12, 10))
+    torch.library.opcheck(torch.ops.snack.topology_index_data, (layer.row.long(), layer.col.long(), 12, 10))
+    # the same coordinates for another shape: derived (and validated) for that shape, not reused
+    rowptr = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 20)[0]
+    assert torch.equal(rowptr, topology.rowptr)
+    colptr = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 20)[1]
+    assert colptr.shape == (21,)
+    with pytest.raises(ValueError, match="row index 11 is out of range for size 2"):
+        torch.ops.snack.topology_index_data(layer.row, layer.col, 2, 20)
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # Topology's validation, traced

@@ -29,12 +29,10 @@ def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor])
     key = (name, *map(id, sources))
     versions = tuple(t._version for t in sources)
     entry = _CACHE.get(key)
-    if entry is None:
-        finalizers = [weakref.finalize(source, _drop, key) for source in sources]
-    else:
-        finalizers = entry[2]
     if entry is None or entry[0] != versions:
-        entry = (versions, build(), finalizers)
+        value = build()  # first: a build that raises (e.g. validation) must leave no finalizers
+        finalizers = entry[2] if entry is not None else [weakref.finalize(source, _drop, key) for source in sources]
+        entry = (versions, value, finalizers)
         _CACHE[key] = entry
     return entry[1]
 
