@@ -124,6 +124,19 @@ def test_odd_shapes(op, shape, sparsity, threads):
         assert_matches_reference(op, random_topology(*shape, sparsity), batch, torch.float64)
 
 
+@pytest.mark.parametrize("op", ["spmm_t", "spmm_backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_batch_one_scatter_covers_every_row_length(op, dtype, threads):
+    # the batch-1 backward handles a row sixteen non-zeros at a time with a masked remainder:
+    # row r holds r non-zeros (0 to 40: empty, partial, whole and several vectors), at columns
+    # spread over the row so that consecutive rows scatter into overlapping columns
+    row = torch.cat([torch.full((r,), r, dtype=torch.int32) for r in range(41)])
+    col = torch.cat([(torch.arange(r) * 7 + r) % 48 for r in range(41)]).int()
+    order = torch.argsort(row.long() * 48 + col.long())
+    topo = Topology(row[order], col[order], (41, 48))
+    assert_matches_reference(op, topo, 1, dtype)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_no_nonzeros(op, threads):
     empty = torch.empty(0, dtype=torch.int32)
