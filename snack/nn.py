@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import sys
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.backends.derived import derived, held
+from snack.func import transforms_active
 from snack.distributions import layer_sparsities
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
@@ -90,6 +92,7 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
         self._topology: Topology | None = None
         self._topology_key: tuple | None = None  # what _topology was built from (see topology)
+        self._state_lock = threading.RLock()  # see _consistent_state
 
     # ------------------------------------------------------------------ constructors
 
@@ -210,16 +213,19 @@ class SparseLinear(nn.Module):
                 cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
                 self._topology_key = None  # eager code rebuilds and validates its own
             return cached
-        if cached is None or not _built_from(self._topology_key, row, col):
-            if _is_batched(row) or _is_batched(col):
-                raise ValueError(
-                    "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's members "
-                    "must share one topology: vmap over the parameters only and pass the buffers unbatched "
-                    "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
-                )
-            cached = Topology(row, col, (self.out_features, self.in_features))
-            self._topology, self._topology_key = cached, _buffers_key(row, col)
-        return cached
+        with self._state_lock:  # the cache and its key change together (another thread may rebuild)
+            row, col, cached = self.row, self.col, self._topology
+            if cached is None or not _built_from(self._topology_key, row, col):
+                if _is_batched(row) or _is_batched(col):
+                    raise ValueError(
+                        "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's "
+                        "members must share one topology: vmap over the parameters only and pass the buffers "
+                        "unbatched (in_dims=None), e.g. torch.func.stack_module_state's params with one member's "
+                        "buffers"
+                    )
+                cached = Topology(row, col, (self.out_features, self.in_features))
+                self._topology, self._topology_key = cached, _buffers_key(row, col)
+            return cached
 
     def index_tensors(self) -> list[Tensor]:
         """Every index tensor the layer holds now, for memory accounting: ``row``, ``col``, what
@@ -246,7 +252,7 @@ class SparseLinear(nn.Module):
         are normal tensors even when this is called under ``torch.inference_mode`` (the layer
         must still train). On bad input nothing changes.
         """
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), self._state_lock:
             self._set_topology(row, col, values)
 
     def _set_topology(self, row: Tensor, col: Tensor, values: Tensor | None) -> None:
@@ -289,19 +295,44 @@ class SparseLinear(nn.Module):
             )
         if input.device != self.values.device:
             raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
-        x, values, bias = autocast_inputs(input, self.values, self.bias)
-        if x.dtype != values.dtype:
-            under = " under autocast" if values is not self.values else ""
-            raise TypeError(f"SparseLinear: input dtype {x.dtype} does not match the layer's {values.dtype}{under}")
-        return _sparse_linear(x, values, self.topology, bias)
+        values, bias, topology = self._consistent_state()
+        x, cast_values, bias = autocast_inputs(input, values, bias)
+        if x.dtype != cast_values.dtype:
+            under = " under autocast" if cast_values is not values else ""
+            raise TypeError(f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}")
+        return _sparse_linear(x, cast_values, topology, bias)
+
+    def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
+        """``(values, bias, topology)`` of one complete state of the layer, for a forward.
+
+        Another thread may rewire the layer meanwhile (a DST step, ``set_topology``,
+        ``load_state_dict``; they hold the same lock): a forward sees the connections from before
+        or after, never a mix (it saw a mix, and spurious validation errors). Without autograd,
+        ``values`` and ``bias`` come as detached aliases, which keep the snapshot's storage alive
+        when a rewire replaces the Parameters' data (the kernel read freed memory: wrong outputs,
+        or a segfault). With autograd, the graph needs the Parameters themselves: a layer is
+        trained in the thread that rewires it.
+        """
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+            return self.values, self.bias, self.topology  # Dynamo cannot trace locks; traces hold their own state
+        with self._state_lock:
+            values, bias, topology = self.values, self.bias, self.topology
+            if not torch.is_grad_enabled() and not transforms_active():
+                values = values.detach()
+                bias = bias.detach() if bias is not None else None
+        return values, bias, topology
 
     # ------------------------------------------------------------------ conversion
 
     def to_dense(self) -> Tensor:
         """The ``(out_features, in_features)`` dense weight (differentiable in ``values``)."""
-        flat_index = self.row.long() * self.in_features + self.col.long()
         dense = self.values.new_zeros(self.out_features * self.in_features)
-        return dense.index_put((flat_index,), self.values).view(self.out_features, self.in_features)
+        # in place: an out-of-place index_put would hold a second dense copy at its peak
+        return dense.index_put_((self._flat_index(),), self.values).view(self.out_features, self.in_features)
+
+    def _flat_index(self) -> Tensor:
+        """``(nnz,)`` int64: each connection's position in the row-major flattened weight."""
+        return self.row.long() * self.in_features + self.col.long()
 
     def extra_repr(self) -> str:
         return (
@@ -321,11 +352,11 @@ class SparseLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         """Load a topology of any nnz: resize ``row``/``col``/``values`` first, then let
-        ``nn.Module`` copy. ``row``, ``col`` and ``values`` load together or not at all (any
-        missing is reported as missing, the others are not loaded); ``_extra_state`` (the shape
+        ``nn.Module`` copy. ``row``, ``col`` and ``values`` load together or not at all (some of them
+        without the others is an error, also with ``strict=False``); ``_extra_state`` (the shape
         check) is optional. On any error the layer is left untouched. Under
         ``torch.inference_mode`` the new tensors are still normal ones (the layer must train)."""
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), self._state_lock:
             self._load_topology(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _load_topology(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -335,8 +366,16 @@ class SparseLinear(nn.Module):
             return super()._load_from_state_dict(
                 state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
             )
-        if missing:  # part of a topology is not one
+        if missing:  # part of a topology is not one: an error even with strict=False, where
+            # missing keys pass silently (a loader that feeds one shard of a checkpoint at a time
+            # left the layer unloaded without a word)
             missing_keys.extend(missing)
+            present = [key for key in (keys["row"], keys["col"], keys["values"]) if key not in missing]
+            error_msgs.append(
+                f"While loading SparseLinear {prefix or '(root)'}: the state_dict holds {', '.join(present)} but not "
+                f"{', '.join(missing)}; a layer's row, col and values load together (merge a sharded checkpoint "
+                "before loading it)"
+            )
             return
         if keys["_extra_state"] not in state_dict:  # optional: nn.Module must not call it missing
             state_dict = {**state_dict, keys["_extra_state"]: self.get_extra_state()}
@@ -364,8 +403,15 @@ class SparseLinear(nn.Module):
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
+        # values and bias get fresh storage for nn.Module to copy into below: a forward running in
+        # another thread keeps its aliases of the old state (see _consistent_state), instead of
+        # reading new values at the old connections' positions
         if row.numel() != self.nnz:
             _replace_data(self.values, self.values.new_empty(row.numel()))
+        else:
+            _give_fresh_storage(self.values)
+        if self.bias is not None:
+            _give_fresh_storage(self.bias)
         self.row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
         self.col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
         self._topology = None
@@ -377,10 +423,12 @@ class SparseLinear(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_topology"] = state["_topology_key"] = None  # derived data is rebuilt on demand
+        del state["_state_lock"]  # a lock cannot be pickled; the copy gets its own
         return state
 
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
+        state["_state_lock"] = threading.RLock()
         super().__setstate__(state)
 
 
@@ -426,6 +474,8 @@ def _reject_meta(device: torch.device) -> None:
 def _saved_shape(extra) -> tuple[int, ...]:
     """The layer shape an ``_extra_state`` entry records: ``[version, out, in]`` (format 2) or a
     ``{"version": 1, "shape": ...}`` dict (format 1)."""
+    if isinstance(extra, Tensor) and extra.device.type == "meta":
+        raise ValueError("_extra_state is on the meta device: a state_dict loaded with map_location='meta' holds no data")
     if isinstance(extra, Tensor) and extra.shape == (3,):
         if int(extra[0]) != _STATE_VERSION:
             raise ValueError(
@@ -452,6 +502,13 @@ def _buffers_key(row: Tensor, col: Tensor) -> tuple:
 def _built_from(key: tuple | None, row: Tensor, col: Tensor) -> bool:
     """Whether ``key`` names these very ``row``/``col`` tensors, unchanged in place since."""
     return key is not None and key[0] is row and key[1] is col and key[2:] == (_version(row), _version(col))
+
+
+def _give_fresh_storage(param: nn.Parameter) -> None:
+    """Point ``param`` at new, uninitialised memory of its shape (the caller fills it), leaving
+    the old memory to whoever still holds an alias of it; ``.grad`` and the version counter stay."""
+    with torch.no_grad():
+        param.data = torch.empty_like(param)
 
 
 def _replace_data(param: nn.Parameter, data: Tensor) -> None:
@@ -548,6 +605,17 @@ def _modules_by_identity(root: nn.Module) -> dict[int, tuple[nn.Module, list[str
     return found
 
 
+def _parameter_owners(modules: dict[int, tuple[nn.Module, list[str]]]) -> dict[int, list[str]]:
+    """``id(parameter)`` → the qualified names of every module that holds it directly (more than
+    one module's names for a tied weight)."""
+    owners: dict[int, list[str]] = {}
+    for child, names in modules.values():
+        for parameter in child._parameters.values():
+            if parameter is not None:
+                owners.setdefault(id(parameter), []).extend(names)
+    return owners
+
+
 def _install(root: nn.Module, converted: dict[str, nn.Module]) -> nn.Module:
     """Put each ``converted[name]`` in place of ``root``'s submodule ``name``; return the new root."""
     if "" in converted:
@@ -594,20 +662,28 @@ def sparsify(
     between places becomes one shared :class:`SparseLinear` (selected when one of its names is
     included and none excluded). Hooks registered on a replaced layer are not carried over; a
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
-    may be stale, stays dense, with a warning. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
+    may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
+    another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
     may read ``.weight`` (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward``
     may differ; convert one deliberately with :meth:`SparseLinear.from_dense`.
     """
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
-    targets, subclassed, hooked = {}, [], []
-    for child, names in _modules_by_identity(module).values():
+    targets, subclassed, hooked, tied = {}, [], [], []
+    modules = _modules_by_identity(module)
+    owners = _parameter_owners(modules)
+    for child, names in modules.values():
         if not _selected(names, include, exclude):
             continue
         if (wb := _dense_weight_and_bias(child)) is not None:
+            shared_with = sorted({
+                other for p in child._parameters.values() if p is not None for other in owners[id(p)] if other not in names
+            })
             if child._forward_pre_hooks:
                 hooked.append(names[0] or "(root)")
+            elif shared_with:
+                tied.append(f"{names[0] or '(root)'} (with {', '.join(shared_with)})")
             else:
                 targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
@@ -623,6 +699,13 @@ def sparsify(
         warnings.warn(
             f"sparsify left {len(hooked)} layer(s) dense: {', '.join(hooked)}: {_PRE_HOOKS}. Remove the hooks "
             "first (e.g. prune.remove(layer, 'weight')), or exclude the layers to silence this warning.",
+            stacklevel=2,
+        )
+    if tied:
+        warnings.warn(
+            f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
+            f"{', '.join(tied)}. A sparse copy would untie them (GPT-2's lm_head shares wte's weight); exclude the "
+            "layers to silence this warning.",
             stacklevel=2,
         )
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
@@ -650,12 +733,13 @@ def densify(module: nn.Module) -> nn.Module:
     converted = {}
     for child, names in _modules_by_identity(module).values():
         if isinstance(child, SparseLinear):
-            dense = nn.Linear(
-                child.in_features, child.out_features, child.bias is not None,
+            # uninitialised, then written in place: no second dense copy, no init overwritten at once
+            dense = nn.utils.skip_init(
+                nn.Linear, child.in_features, child.out_features, child.bias is not None,
                 device=child.values.device, dtype=child.values.dtype,
             )
             with torch.no_grad():
-                dense.weight.copy_(child.to_dense())
+                dense.weight.zero_().view(-1).index_put_((child._flat_index(),), child.values)
                 if child.bias is not None:
                     dense.bias.copy_(child.bias)
             _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])

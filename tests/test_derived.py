@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import weakref
 
 import pytest
@@ -80,3 +82,35 @@ def test_a_build_that_raises_caches_nothing_and_leaves_no_finalizer():
             derived("failing", (source,), failing_build)
     assert len(weakref.finalize._registry) == before
     assert derived("failing", (source,), lambda: source * 2).tolist() == [0, 2, 4, 6]  # a later build is cached
+
+
+def test_held_runs_while_other_threads_add_and_drop_entries():
+    # memory accounting in one thread while others build and free cached tensors (it raised
+    # "dictionary changed size during iteration")
+    keep = torch.arange(4)
+    derived("kept", (keep,), lambda: keep + 1)
+    stop, errors = threading.Event(), []
+
+    def churn():
+        while not stop.is_set():
+            short_lived = torch.arange(4)
+            derived("churn", (short_lived,), lambda: short_lived * 2)
+            del short_lived
+
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    threads = [threading.Thread(target=churn) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(3000):
+            try:
+                assert len(held(keep)) == 1
+            except RuntimeError as error:
+                errors.append(error)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(switch_interval)
+    assert not errors

@@ -429,6 +429,22 @@ def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
     assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+@pytest.mark.parametrize("layers", [None, ["0"]], ids=["all", "one of the two"])
+def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
+    # a rewire of one would leave the other reading the new values at its old connections
+    model = snack.sparsify(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), 0.5)
+    model[2].set_topology(model[0].row, model[0].col)
+    model[2].values = model[0].values
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if algorithm == "GradualPruning":
+        kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10)
+    else:
+        kwargs = dict(total_steps=10)
+    with pytest.raises(ValueError, match="layers '0' and '2' share one values Parameter"):
+        getattr(snack.dst, algorithm)(model, opt, layers=layers, **kwargs)
+
+
 def test_model_without_sparse_layers_and_mismatched_optimizer_are_rejected():
     dense = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="no SparseLinear"):

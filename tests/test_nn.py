@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
+import threading
 
 import pytest
 import torch
@@ -716,11 +718,9 @@ def test_part_of_a_topology_is_missing_and_leaves_the_layer_untouched(strict, dr
     before = copy.deepcopy(layer.state_dict())
     state = other.state_dict()
     del state[dropped]
-    if strict:
-        with pytest.raises(RuntimeError, match=f'Missing key.*"{dropped}"'):
-            layer.load_state_dict(state)
-    else:
-        assert layer.load_state_dict(state, strict=False).missing_keys == [dropped]
+    # an error also with strict=False: a loader feeding one shard at a time must not pass silently
+    with pytest.raises(RuntimeError, match=f"holds .* but not {dropped}; a layer's row, col and values load together"):
+        layer.load_state_dict(state, strict=strict)
     after = layer.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -826,3 +826,108 @@ def test_meta_device_layers_are_refused_by_every_constructor_and_sparsify():
     row = torch.tensor([0, 1], dtype=torch.int32, device="meta")
     with pytest.raises(NotImplementedError, match=meta):
         SparseLinear.from_coo(row, row, torch.ones(2, device="meta"), (2, 2))
+
+
+# ---------------------------------------------------------------------- threads
+
+
+def _serve_while(rewire, layer: SparseLinear, x: torch.Tensor, expected: list[torch.Tensor], forwards: int = 3000):
+    """Run ``forwards`` no-grad forwards of ``layer`` on ``x`` while another thread calls
+    ``rewire(i)`` for i = 0, 1, ...; return how many outputs were none of ``expected`` or raised."""
+    stop, bad = threading.Event(), []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            rewire(i)
+            i += 1
+
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=writer)
+    try:
+        thread.start()
+        for _ in range(forwards):
+            try:
+                with torch.no_grad():
+                    y = layer(x)
+            except (RuntimeError, ValueError) as error:
+                bad.append(error)
+                continue
+            if not any(torch.equal(y, e) for e in expected):
+                bad.append(y)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(switch_interval)
+    return len(bad)
+
+
+def test_a_forward_in_another_thread_sees_one_whole_state_while_the_layer_is_rewired():
+    # a serving thread next to a training thread whose DST steps rewire the layer (same nnz, as
+    # SET and RigL do): it used to see new values at old positions, and spurious "not sorted" errors
+    torch.manual_seed(0)
+    layer = SparseLinear(64, 64, sparsity=0.9)
+    states = [(*snack.topology.random_coo(64, 64, 0.9), torch.randn(layer.nnz)) for _ in range(3)]
+    x, expected = torch.randn(4, 64), []
+    for state in states:
+        layer.set_topology(*state)
+        with torch.no_grad():
+            expected.append(layer(x))
+    assert _serve_while(lambda i: layer.set_topology(*states[i % 3]), layer, x, expected) == 0
+
+
+def test_a_forward_in_another_thread_sees_one_whole_state_while_state_dicts_load():
+    # hot-reloading checkpoints of other nnz (and of the same nnz, whose values used to be copied
+    # into the memory a running forward was reading)
+    torch.manual_seed(0)
+    layer = SparseLinear(64, 64, sparsity=0.5)
+    states = [SparseLinear(64, 64, sparsity=s).state_dict() for s in (0.9, 0.8, 0.8)]
+    x, expected = torch.randn(4, 64), []
+    for state in states:
+        layer.load_state_dict(state)
+        with torch.no_grad():
+            expected.append(layer(x))
+    assert _serve_while(lambda i: layer.load_state_dict(states[i % 3]), layer, x, expected) == 0
+
+
+def test_a_layer_copied_or_pickled_gets_its_own_lock():
+    layer = make_layer(5, 4, 0.5)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert clone._state_lock is not layer._state_lock
+        clone.set_topology(layer.row, layer.col)  # takes the lock
+
+
+def test_a_meta_state_dict_is_refused_with_a_clear_error():
+    layer = make_layer(5, 4, 0.5)
+    before = copy.deepcopy(layer.state_dict())
+    meta_state = {k: v.to("meta") for k, v in layer.state_dict().items()}
+    for assign in (False, True):
+        with pytest.raises(RuntimeError, match="While loading SparseLinear.*meta device"):
+            layer.load_state_dict(meta_state, assign=assign)
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+
+def test_sparsify_leaves_layers_with_tied_parameters_dense():
+    # a sparse copy would untie them: two layers sharing one weight, and GPT-2's lm_head ↔ wte
+    first, second = nn.Linear(6, 6), nn.Linear(6, 6)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.ReLU(), second, nn.ReLU(), nn.Linear(6, 3))
+    with pytest.warns(UserWarning, match=r"tied to another module's: 0 \(with 2\), 2 \(with 0\)"):
+        snack.sparsify(model, 0.5)
+    assert model[0].weight is model[2].weight and isinstance(model[4], SparseLinear)
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(shared, nn.ReLU(), shared)  # one module in two places is not a tie
+    snack.sparsify(model, 0.5)
+    assert isinstance(model[0], SparseLinear) and model[0] is model[2]
+
+
+def test_sparsify_leaves_gpt2s_tied_head_dense():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.warns(UserWarning, match=r"lm_head \(with transformer.wte\)"):
+        snack.sparsify(model, 0.5)
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.transformer.h[0].mlp.c_fc, SparseLinear)

@@ -10,6 +10,7 @@ counter, so nothing derived from them is cached (the value is rebuilt on every c
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -20,6 +21,9 @@ __all__ = ["derived", "held"]
 # (name, ids of the sources) -> (their versions when built, the derived tensor, the finalizers
 # that drop the entry when a source is freed)
 _CACHE: dict[tuple, tuple[tuple[int, ...], Tensor, list]] = {}
+# guards _CACHE against layers running in several threads; reentrant, because a finalizer (_drop)
+# may run inside a locked section when the garbage collector frees a source there
+_LOCK = threading.RLock()
 
 
 def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor]) -> Tensor:
@@ -29,18 +33,21 @@ def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor])
     key = (name, *map(id, sources))
     versions = tuple(t._version for t in sources)
     entry = _CACHE.get(key)
-    if entry is None or entry[0] != versions:
-        value = build()  # first: a build that raises (e.g. validation) must leave no finalizers
+    if entry is not None and entry[0] == versions:
+        return entry[1]
+    value = build()  # first: a build that raises (e.g. validation) must leave no finalizers
+    with _LOCK:
+        entry = _CACHE.get(key)  # another thread may have built it meanwhile: one set of finalizers
         finalizers = entry[2] if entry is not None else [weakref.finalize(source, _drop, key) for source in sources]
-        entry = (versions, value, finalizers)
-        _CACHE[key] = entry
-    return entry[1]
+        _CACHE[key] = (versions, value, finalizers)
+    return value
 
 
 def _drop(key: tuple) -> None:
     """Forget ``key``'s entry, and the finalizers on its other sources (a long-lived tensor paired
     with short-lived ones would otherwise collect one dead finalizer per pairing)."""
-    entry = _CACHE.pop(key, None)
+    with _LOCK:
+        entry = _CACHE.pop(key, None)
     if entry is not None:
         for finalizer in entry[2]:
             finalizer.detach()
@@ -50,4 +57,5 @@ def held(*sources: Tensor) -> list[Tensor]:
     """Every tensor cached from any of ``sources`` that is still in memory (for memory
     accounting: what backends keep for a topology, whichever of them built it)."""
     ids = set(map(id, sources))
-    return [entry[1] for key, entry in _CACHE.items() if ids.intersection(key[1:])]
+    with _LOCK:
+        return [entry[1] for key, entry in _CACHE.items() if ids.intersection(key[1:])]

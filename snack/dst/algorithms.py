@@ -123,7 +123,24 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
             found.sort(key=lambda pair: order[pair[0]])
     if not found:
         raise ValueError("the model has no SparseLinear layers to act on: call snack.sparsify(model, ...) first")
+    _refuse_shared_values(named, found)
     return found
+
+
+def _refuse_shared_values(named: dict[str, SparseLinear], found: list[tuple[str, SparseLinear]]) -> None:
+    """Raise if a layer to rewire shares its ``values`` Parameter with another layer: a rewire
+    changes one layer's connections, and the other would read the new values at its own, old
+    positions (silently wrong)."""
+    owners: dict[int, tuple[str, SparseLinear]] = {}
+    for name, layer in named.items():
+        owners.setdefault(id(layer.values), (name, layer))
+    for name, layer in named.items():
+        first_name, first = owners[id(layer.values)]
+        if first is not layer and any(m is layer or m is first for _, m in found):
+            raise ValueError(
+                f"layers {first_name!r} and {name!r} share one values Parameter: dynamic sparsity would rewire one "
+                "and leave the other reading the new values at its old connections. Untie them, or leave both out of layers."
+            )
 
 
 class DynamicSparsity:
