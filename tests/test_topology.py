@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import snack
-from snack.topology import Topology, coo_from_dense, random_coo, validate_coo
+from snack.topology import Topology, coo_from_dense, largest_magnitudes, random_coo, validate_coo
 
 
 def _assert_sorted_unique_in_range(row, col, shape):
@@ -58,6 +60,37 @@ def test_coo_from_dense_keeps_largest_magnitudes():
     row, col, values = coo_from_dense(weight, sparsity=0.5)
     assert list(zip(row.tolist(), col.tolist())) == [(0, 1), (1, 0), (1, 2)]
     assert values.tolist() == [-5.0, 4.0, 3.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    fraction=st.floats(0, 1),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+    kind=st.sampled_from(["normal", "ties", "zeros", "special"]),
+    block=st.sampled_from([1, 7, 64, 1 << 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_largest_magnitudes_picks_what_a_stable_descending_sort_picks(n, fraction, dtype, kind, block, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator, dtype=torch.float64)
+    if kind == "ties":  # many equal magnitudes: the earlier position must win
+        x = x.round()
+    elif kind == "zeros":
+        x[torch.rand(n, generator=generator) < 0.6] = 0.0
+        x[torch.rand(n, generator=generator) < 0.2] = -0.0
+    elif kind == "special":  # NaN counts as the largest, as torch.sort orders it
+        for value in (float("inf"), -float("inf"), float("nan")):
+            x[torch.rand(n, generator=generator) < 0.1] = value
+    x = x.to(dtype)
+    k = round(fraction * n)
+    expected = torch.sort(x.abs(), descending=True, stable=True).indices[:k].sort().values
+    assert torch.equal(largest_magnitudes(x, k, block=block), expected)
+
+
+def test_largest_magnitudes_rejects_a_bad_k():
+    with pytest.raises(ValueError, match=r"k must be in \[0, 3\], got 4"):
+        largest_magnitudes(torch.ones(3), 4)
 
 
 def test_topology_derived_data_matches_definitions():

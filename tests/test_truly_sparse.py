@@ -80,3 +80,42 @@ def test_peak_memory_of_a_20000_square_layer_is_tiny():
     result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, check=True)
     peak_growth = int(result.stdout.strip().splitlines()[-1])
     assert peak_growth < 100 * 2**20, f"peak RSS grew by {peak_growth / 2**20:.1f} MiB"
+
+
+class LargestNewStorageMode(TorchDispatchMode):
+    """Records the largest storage, in elements, that any ATen op allocates (views of existing
+    storage, such as a reshape of the weight, are not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def test_picking_the_largest_weights_allocates_no_copy_of_the_dense_weight():
+    # from_dense/sparsify(init="magnitude") of a large weight: a full sort took ~6x its memory
+    weight = torch.randn(3000, 3000)
+    with LargestNewStorageMode() as mode:
+        layer = snack.SparseLinear.from_dense(weight, sparsity=0.999)
+    assert layer.nnz == 9000
+    assert mode.largest <= snack.topology._SELECT_BLOCK, f"an op allocated {mode.largest} elements"
+
+
+def test_snack_trains_sparse_model_is_built_without_its_dense_layers():
+    from snack.train import mlp, sparse_mlp
+
+    with LargestTensorMode() as mode:
+        model = sparse_mlp(784, 3000, 0.99, "erk", "cpu")
+    assert mode.largest < 3000 * 3000 // 4, f"{mode.largest_op} produced {mode.largest} elements"
+    # the layers sparsify(init="random") makes of the dense MLP
+    expected = snack.sparsify(mlp(784, 3000), 0.99, distribution="erk", init="random")
+    shapes = [(m.out_features, m.in_features, m.nnz) for m in model if isinstance(m, snack.SparseLinear)]
+    assert shapes == [(m.out_features, m.in_features, m.nnz) for m in expected if isinstance(m, snack.SparseLinear)]
+    assert [type(m) for m in model] == [type(m) for m in expected]
