@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args._argv = argv  # what was asked, for results that record their command line
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (bench leaves its previous files whole)
+        print(f"\nsnack {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -197,3 +197,51 @@ def test_more_threads_than_cores_get_a_warning(tmp_path, capsys, monkeypatch):
     with pytest.raises(_Stop):
         snack_cli.main(["bench", "--quick", "--no-progress", "--threads", "3"])
     assert "--threads 3 is more than the 2 cores this process may use" in capsys.readouterr().err
+
+
+def test_a_folder_in_place_of_an_output_file_is_refused_before_benchmarking(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    (tmp_path / "cpu_layer.json").mkdir()
+    assert snack_cli.main(["bench", "--quick", "--no-progress", "--out", str(tmp_path)]) == 2
+    assert "cpu_layer.json in it are folders" in capsys.readouterr().err
+
+
+def test_a_layer_too_large_for_memory_is_refused_before_benchmarking(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    argv = ["bench", "--sizes", "100000x100000", "--no-progress", "--out", str(tmp_path)]
+    assert snack_cli.main(argv) == 2
+    assert "a 100000x100000 layer at batch 128 needs about" in capsys.readouterr().err
+    argv = ["bench", "--sizes", "1000000x1000000", "--no-progress", "--out", str(tmp_path)]
+    assert snack_cli.main(argv) == 2  # (a clear error, not a traceback)
+    assert "int32 indices hold at most 2147483647: raise the sparsity" in capsys.readouterr().err
+
+
+TINY = ["bench", "--sizes", "4x4", "--batch", "1", "--mode", "inference", "--repeats", "1", "--no-progress"]
+
+
+def test_sparsities_that_give_the_same_layer_are_measured_once(tmp_path):
+    # 0.9 and 0.88 both leave 2 of 16 connections: two rows with one key mixed their figures
+    with pytest.warns(UserWarning, match="sparsity 0.88 gives the same 2 connections as 0.9; measured once"):
+        assert snack_cli.main([*TINY, "--sparsity", "0.9", "0.88", "--out", str(tmp_path)]) == 0
+    times = json.loads((tmp_path / "cpu_layer.json").read_text())["times"]
+    assert sorted(t["variant"] for t in times) == sorted(VARIANT_NAMES)
+    assert {t["sparsity"] for t in times} == {0.875}
+
+
+def test_a_nearly_empty_layer_does_not_read_as_sparsity_1(tmp_path):
+    assert snack_cli.main([*TINY[:2], "2048x2048", *TINY[3:], "--sparsity", "0.9999999", "--out", str(tmp_path)]) == 0
+    (sparsity,) = {t["sparsity"] for t in json.loads((tmp_path / "cpu_layer.json").read_text())["times"]}
+    assert sparsity == 1 - 1 / 2048**2
+
+
+def test_an_interrupted_run_leaves_the_previous_results_whole(tmp_path, capsys, monkeypatch):
+    assert snack_cli.main([*TINY, "--sparsity", "0.5", "--out", str(tmp_path)]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "write_plot", interrupted)  # after the JSON and CSV are written
+    assert snack_cli.main([*TINY, "--sparsity", "0.75", "--out", str(tmp_path)]) == 130
+    assert "snack bench: interrupted" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no mix, no partial files

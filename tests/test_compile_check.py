@@ -47,10 +47,24 @@ def test_failure_is_reported_and_exits_nonzero(monkeypatch, capsys):
     assert "sddmm" in out and "FAILED" in out and "ptxas exploded" in out
 
 
-def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.mark.parametrize("value", ["1", "true", "on"])
+def test_refuses_to_run_under_the_interpreter(value, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", value)  # any value Triton reads as true
     assert compile_check.run(argparse.Namespace(arch=None, dtype=None)) == 1
-    assert "TRITON_INTERPRET" in capsys.readouterr().out
+    assert "unset TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_an_architecture_or_dtype_given_twice_compiles_once(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compiled = []
+    monkeypatch.setattr(compile_check, "compile_kernel", lambda *key: compiled.append(key) or _FakeKernel())
+    assert compile_check.run(argparse.Namespace(arch=[90, 90], dtype=["float32", "float32"])) == 0
+    assert len(compiled) == len(set(compiled)) == len(compile_check._VARIANTS)
+    assert f"{len(compiled)}/{len(compiled)} kernels compiled" in capsys.readouterr().out
+
+
+class _FakeKernel:
+    asm = {"cubin": b"1234"}
 
 
 @pytest.mark.parametrize("arch", ["9", "0", "999", "-5", "50", "8.0", "sm_90"])

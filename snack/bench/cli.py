@@ -12,6 +12,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from snack.bench.harness import MODES, Grid, run_grid
 from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
 from snack.cli import device_argument, unavailable_device
-from snack.topology import MAX_INDEX, check_sparsity
+from snack.topology import MAX_INDEX, check_sparsity, nnz_for_sparsity
 
 __all__ = ["add_arguments", "run"]
 
@@ -107,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # the output folder first: a bad one must not cost the whole run's results
     out = args.out or Path("benchmarks/quick" if args.quick else "benchmarks")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        print(f"snack bench: --out {str(out)!r} is not a usable folder: {error.strerror}", file=sys.stderr)
+    stem = device.type
+    outputs = [out / f"{stem}_layer.json", out / f"{stem}_layer.csv", out / f"{stem}_speedup.png"]
+    if (problem := _unusable_output(out, outputs)) is not None:
+        print(f"snack bench: --out {str(out)!r} is not a usable folder: {problem}", file=sys.stderr)
         return 2
     grid = Grid(  # each value once, in the order given
         sizes=_unique(args.sizes or [_size(s) for s in defaults["sizes"]]),
@@ -125,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"snack bench: warning: --threads {args.threads} is more than the {cores} cores this process may "
                   "use; threads will share cores and the timings will show it", file=sys.stderr)
         torch.set_num_threads(args.threads)
+    if (problem := _too_large(grid, device)) is not None:
+        print(f"snack bench: {problem}", file=sys.stderr)
+        return 2
     from tqdm import tqdm
 
     backend = default_backend_name(device.type)
@@ -155,17 +159,82 @@ def run(args: argparse.Namespace) -> int:
         "grid": {"sizes": grid.sizes, "sparsities": grid.sparsities, "batches": grid.batches, "modes": grid.modes,
                  "repeats": grid.repeats},
     }
-    stem = device.type
-    write_json(out / f"{stem}_layer.json", metadata, times, memory)
-    write_csv(out / f"{stem}_layer.csv", times)
-    title = f"{metadata['machine']} — {metadata['date']}"
-    write_plot(out / f"{stem}_speedup.png", times, title)
-
+    # the tables first: if the files cannot be written after all, the results are on the terminal
     print(f"\n{metadata['date']} · {metadata['machine']} · `{command}`")
     print(f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
           "distance = snack time / roofline bound\n")
     print(format_table(times))
     print("\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n")
     print(format_memory(memory))
-    print(f"\nwrote {out / (stem + '_layer.json')}, .csv and {out / (stem + '_speedup.png')}", file=sys.stderr)
+    title = f"{metadata['machine']} — {metadata['date']}"
+    writers = [
+        lambda path: write_json(path, metadata, times, memory),
+        lambda path: write_csv(path, times),
+        lambda path: write_plot(path, times, title),
+    ]
+    try:
+        _write_together(outputs, writers)
+    except OSError as error:
+        print(f"snack bench: writing the results into {str(out)!r} failed: {error}", file=sys.stderr)
+        return 2
+    print(f"\nwrote {outputs[0]}, .csv and {outputs[2]}", file=sys.stderr)
     return 0
+
+
+def _unusable_output(out: Path, outputs: list[Path]) -> str | None:
+    """Why the results cannot be written into ``out`` (created if missing), or ``None``."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as error:
+        return error.strerror or str(error)
+    taken = [path.name for path in outputs if path.is_dir()]
+    return f"{', '.join(taken)} in it are folders" if taken else None
+
+
+def _write_together(paths: list[Path], writers: list) -> None:
+    """Write each ``paths[i]`` with ``writers[i](path)`` through a temporary name, then move them
+    all into place: an interrupted or failed run leaves the previous set whole, not a mix."""
+    temporary = [path.with_name(f".{path.stem}.partial{path.suffix}") for path in paths]
+    try:
+        for writer, path in zip(writers, temporary):
+            writer(path)
+        for source, target in zip(temporary, paths):
+            os.replace(source, target)
+    finally:
+        for path in temporary:
+            path.unlink(missing_ok=True)
+
+
+def _too_large(grid: Grid, device: torch.device) -> str | None:
+    """Why the grid's largest point would not fit in the device's free memory (or in int32
+    indices), or ``None``.
+
+    A rough upper bound, so that a size or batch too large is refused before the run rather than
+    failing with an allocation error (or swapping) after the machine measurement: Dense+Mask
+    training holds about five out×in float32 tensors at once (weight, mask, their product, and
+    two gradients), snack about 40 bytes per connection, and the activations a few B×(in+out)."""
+    free = _free_bytes(device)
+    batch = max(grid.batches)
+    for out_features, in_features in grid.sizes:
+        try:
+            densest = max(nnz_for_sparsity(out_features, in_features, s) for s in grid.sparsities)
+        except ValueError as error:  # more connections than int32 indices hold
+            return str(error)
+        if free is None:
+            continue
+        need = 4 * (5 * out_features * in_features + 10 * densest + 8 * batch * (out_features + in_features))
+        if need > free:
+            return (f"a {out_features}x{in_features} layer at batch {batch} needs about {need / 2**30:.1f} GiB, "
+                    f"more than the {free / 2**30:.1f} GiB free on {device}; choose smaller --sizes or --batch")
+    return None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes, where it can be known (Linux hosts, CUDA devices)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

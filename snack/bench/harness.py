@@ -21,6 +21,7 @@ from snack import backends
 from snack.bench.roofline import Machine, sparse_bound
 from snack.bench.timing import Timer
 from snack.bench.variants import build_variants
+from snack.topology import nnz_for_sparsity
 
 __all__ = ["Grid", "MemoryRecord", "TimeRecord", "run_grid", "select"]
 
@@ -155,12 +156,22 @@ def run_grid(
         # torch.sparse CSR announces its beta status on first use; not news to a benchmark reader
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
         for size in grid.sizes:
+            measured: dict[int, float] = {}  # nnz -> the sparsity asked for that gave it
             for requested in grid.sparsities:
+                nnz = nnz_for_sparsity(*size, requested)
+                if nnz in measured:  # records are keyed on the real sparsity: measure each once
+                    warnings.warn(
+                        f"snack bench: at {size[0]}x{size[1]}, sparsity {requested:g} gives the same {nnz} connections "
+                        f"as {measured[nnz]:g}; measured once",
+                        stacklevel=2,
+                    )
+                    for _ in range(len(grid.batches) * len(grid.modes)):
+                        if progress is not None:
+                            progress(f"{size[0]}x{size[1]} s={requested:g} (as {measured[nnz]:g})")
+                    continue
+                measured[nnz] = requested
                 variants = build_variants(*size, requested, device)
-                nnz = variants[-1].layer.nnz
-                # records carry the real sparsity: nnz is whole (a 4x4 layer at 0.9 is 0.875);
-                # 6 decimals keep 0.9 reading 0.9 at 4096x4096, where it is 1 - 1677722 / 4096²
-                sparsity = round(variants[-1].layer.sparsity, 6)
+                sparsity = real_sparsity(variants[-1].layer)
                 for batch in grid.batches:
                     for mode in grid.modes:
                         samples = _measure_point(variants, size, batch, mode, grid.repeats, device)
@@ -176,6 +187,14 @@ def run_grid(
                 memory.extend(_memory_records(size, sparsity, variants))
                 del variants
     return times, memory
+
+
+def real_sparsity(layer) -> float:
+    """The sparsity a record carries: the layer's real one (nnz is whole: a 4x4 layer at 0.9 is
+    0.875), to 6 decimals (0.9 reads 0.9 at 4096x4096, where it is 1 - 1677722 / 4096²), but
+    never rounded up to 1 while the layer has connections."""
+    rounded = round(layer.sparsity, 6)
+    return rounded if rounded < 1 or layer.nnz == 0 else layer.sparsity
 
 
 def select(records: Iterable[TimeRecord], **fields) -> list[TimeRecord]:

@@ -13,7 +13,7 @@ and returns 1 if any fails (the error follows its line). Block sizes are the fix
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 import traceback
 
 # (variant name, kernel name, constexpr flags): each compiled variant a layer runs. The SpMM kernels
@@ -147,11 +147,13 @@ def compile_kernel(variant: str, dtype: str, arch: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("snack compile-check: unset TRITON_INTERPRET; the interpreter builds no GPU binaries")
+    import triton
+
+    if triton.knobs.runtime.interpret:  # TRITON_INTERPRET as Triton reads it ("1", "true", "on", ...)
+        print("snack compile-check: unset TRITON_INTERPRET; the interpreter builds no GPU binaries", file=sys.stderr)
         return 1
-    archs = args.arch or [80, 90]
-    dtypes = args.dtype or list(_DTYPES)
+    archs = list(dict.fromkeys(args.arch or [80, 90]))  # each once, in the order given
+    dtypes = list(dict.fromkeys(args.dtype or _DTYPES))
     failures = 0
     for variant, _, _ in _VARIANTS:
         for dtype in dtypes:
