@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 import sys
 import threading
 import warnings
@@ -32,6 +33,20 @@ __all__ = ["SparseLinear", "densify", "sparsify"]
 
 # state_dict format: 2 stores _extra_state as a tensor (1: a dict)
 _STATE_VERSION = 2
+
+# Held while a layer's connections change (set_topology, load_state_dict) and while a forward
+# takes its snapshot of them (SparseLinear._consistent_state). One lock for every layer: it is
+# held for microseconds by readers, and it needs no copying with a layer (pickle, deepcopy).
+_STATE_LOCK = threading.RLock()
+
+
+def _new_state_lock() -> None:
+    # a child forked while another thread held the lock would otherwise wait for it forever
+    global _STATE_LOCK
+    _STATE_LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_state_lock)
 
 
 class SparseLinear(nn.Module):
@@ -92,7 +107,6 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
         self._topology: Topology | None = None
         self._topology_key: tuple | None = None  # what _topology was built from (see topology)
-        self._state_lock = threading.RLock()  # see _consistent_state
 
     # ------------------------------------------------------------------ constructors
 
@@ -193,7 +207,10 @@ class SparseLinear(nn.Module):
         ``ValueError`` if they are not valid. (Inference tensors carry no version counter: one
         changed in place under ``torch.inference_mode`` is not noticed.)
         """
-        row, col, cached = self.row, self.col, self._topology
+        # the key before the topology: a rebuild in another thread stores them in the other order,
+        # so a new key is never paired with an old topology
+        key, cached = self._topology_key, self._topology
+        row, col = self.row, self.col
         if torch.compiler.is_exporting() or (
             not torch.compiler.is_compiling() and torch._C._get_tracing_state() is not None  # torch.jit.trace
         ):
@@ -213,19 +230,17 @@ class SparseLinear(nn.Module):
                 cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
                 self._topology_key = None  # eager code rebuilds and validates its own
             return cached
-        with self._state_lock:  # the cache and its key change together (another thread may rebuild)
-            row, col, cached = self.row, self.col, self._topology
-            if cached is None or not _built_from(self._topology_key, row, col):
-                if _is_batched(row) or _is_batched(col):
-                    raise ValueError(
-                        "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's "
-                        "members must share one topology: vmap over the parameters only and pass the buffers "
-                        "unbatched (in_dims=None), e.g. torch.func.stack_module_state's params with one member's "
-                        "buffers"
-                    )
-                cached = Topology(row, col, (self.out_features, self.in_features))
-                self._topology, self._topology_key = cached, _buffers_key(row, col)
-            return cached
+        if cached is None or not _built_from(key, row, col):
+            if _is_batched(row) or _is_batched(col):
+                raise ValueError(
+                    "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's members "
+                    "must share one topology: vmap over the parameters only and pass the buffers unbatched "
+                    "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
+                )
+            cached = Topology(row, col, (self.out_features, self.in_features))
+            self._topology = cached
+            self._topology_key = _buffers_key(row, col)
+        return cached
 
     def index_tensors(self) -> list[Tensor]:
         """Every index tensor the layer holds now, for memory accounting: ``row``, ``col``, what
@@ -252,7 +267,7 @@ class SparseLinear(nn.Module):
         are normal tensors even when this is called under ``torch.inference_mode`` (the layer
         must still train). On bad input nothing changes.
         """
-        with torch.inference_mode(False), self._state_lock:
+        with torch.inference_mode(False):
             self._set_topology(row, col, values)
 
     def _set_topology(self, row: Tensor, col: Tensor, values: Tensor | None) -> None:
@@ -266,10 +281,11 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"values must be {self.values.dtype} on {self.values.device}, got {values.dtype} on {values.device}"
             )
-        self.row = row.to(torch.int32, copy=True)
-        self.col = col.to(torch.int32, copy=True)
-        _replace_data(self.values, values.detach().clone())
-        self._topology = None
+        row, col, values = row.to(torch.int32, copy=True), col.to(torch.int32, copy=True), values.detach().clone()
+        with _STATE_LOCK:  # forwards in other threads see all of the change or none (_consistent_state)
+            self.row, self.col = row, col
+            _replace_data(self.values, values)
+            self._topology = None
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
@@ -305,22 +321,22 @@ class SparseLinear(nn.Module):
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
         """``(values, bias, topology)`` of one complete state of the layer, for a forward.
 
-        Another thread may rewire the layer meanwhile (a DST step, ``set_topology``,
-        ``load_state_dict``; they hold the same lock): a forward sees the connections from before
-        or after, never a mix (it saw a mix, and spurious validation errors). Without autograd,
-        ``values`` and ``bias`` come as detached aliases, which keep the snapshot's storage alive
-        when a rewire replaces the Parameters' data (the kernel read freed memory: wrong outputs,
-        or a segfault). With autograd, the graph needs the Parameters themselves: a layer is
-        trained in the thread that rewires it.
+        Another thread may rewire the layer meanwhile (a DST step, ``set_topology``, a
+        ``load_state_dict`` of another nnz; they hold the same lock): a forward sees the
+        connections from before or after, never a mix (it saw a mix, and spurious validation
+        errors). Without autograd, ``values`` comes as a detached alias, which keeps the
+        snapshot's storage alive when a rewire replaces the Parameter's data (the kernel read
+        freed memory: wrong outputs, or a segfault). With autograd, the graph needs the Parameter
+        itself: a layer is trained in the thread that rewires it. Compiled and traced code skip
+        this (Dynamo cannot trace a lock).
         """
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-            return self.values, self.bias, self.topology  # Dynamo cannot trace locks; traces hold their own state
-        with self._state_lock:
-            values, bias, topology = self.values, self.bias, self.topology
+            return self.values, self.bias, self.topology
+        with _STATE_LOCK:
+            values, topology = self.values, self.topology
             if not torch.is_grad_enabled() and not transforms_active():
                 values = values.detach()
-                bias = bias.detach() if bias is not None else None
-        return values, bias, topology
+        return values, self.bias, topology
 
     # ------------------------------------------------------------------ conversion
 
@@ -356,7 +372,7 @@ class SparseLinear(nn.Module):
         without the others is an error, also with ``strict=False``); ``_extra_state`` (the shape
         check) is optional. On any error the layer is left untouched. Under
         ``torch.inference_mode`` the new tensors are still normal ones (the layer must train)."""
-        with torch.inference_mode(False), self._state_lock:
+        with torch.inference_mode(False), _STATE_LOCK:
             self._load_topology(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _load_topology(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -403,15 +419,10 @@ class SparseLinear(nn.Module):
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
-        # values and bias get fresh storage for nn.Module to copy into below: a forward running in
-        # another thread keeps its aliases of the old state (see _consistent_state), instead of
-        # reading new values at the old connections' positions
+        # (nn.Module copies the values in place, as it copies every parameter: shared memory and
+        # bucket views keep working; a forward in another thread may then read some new values)
         if row.numel() != self.nnz:
             _replace_data(self.values, self.values.new_empty(row.numel()))
-        else:
-            _give_fresh_storage(self.values)
-        if self.bias is not None:
-            _give_fresh_storage(self.bias)
         self.row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
         self.col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
         self._topology = None
@@ -423,12 +434,10 @@ class SparseLinear(nn.Module):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_topology"] = state["_topology_key"] = None  # derived data is rebuilt on demand
-        del state["_state_lock"]  # a lock cannot be pickled; the copy gets its own
         return state
 
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
-        state["_state_lock"] = threading.RLock()
         super().__setstate__(state)
 
 
@@ -502,13 +511,6 @@ def _buffers_key(row: Tensor, col: Tensor) -> tuple:
 def _built_from(key: tuple | None, row: Tensor, col: Tensor) -> bool:
     """Whether ``key`` names these very ``row``/``col`` tensors, unchanged in place since."""
     return key is not None and key[0] is row and key[1] is col and key[2:] == (_version(row), _version(col))
-
-
-def _give_fresh_storage(param: nn.Parameter) -> None:
-    """Point ``param`` at new, uninitialised memory of its shape (the caller fills it), leaving
-    the old memory to whoever still holds an alias of it; ``.grad`` and the version counter stay."""
-    with torch.no_grad():
-        param.data = torch.empty_like(param)
 
 
 def _replace_data(param: nn.Parameter, data: Tensor) -> None:

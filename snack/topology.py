@@ -258,12 +258,19 @@ def largest_magnitudes(flat: Tensor, k: int, *, block: int = _SELECT_BLOCK) -> T
     n = flat.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}], got {k}")
-    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
+    if not flat.is_floating_point() or integer is None:
+        raise TypeError(f"largest_magnitudes needs a 16-, 32- or 64-bit floating tensor, got {flat.dtype}")
+    if n <= block:  # one block: a sort is as small, and faster for small layers
+        return torch.sort(flat.abs(), descending=True, stable=True).indices[:k].sort().values
     bits = 8 * flat.element_size() - 1  # |x| has a zero sign bit
+    # every NaN alike (their payloads differ) and above inf, as torch.sort orders them: NaNs are
+    # the patterns above inf's
+    nan_key = int(torch.tensor(float("inf"), dtype=flat.dtype).view(integer)) + 1
 
     def keys(start: int) -> Tensor:
-        # the magnitudes' bit patterns as int64, ordered as the magnitudes (NaN above inf)
-        return flat[start:start + block].abs().view(integer).to(torch.int64)
+        # the magnitudes' bit patterns as int64, ordered as the magnitudes
+        return flat[start:start + block].abs().view(integer).to(torch.int64).clamp_max_(nan_key)
 
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)

@@ -221,7 +221,7 @@ TINY = ["bench", "--sizes", "4x4", "--batch", "1", "--mode", "inference", "--rep
 
 def test_sparsities_that_give_the_same_layer_are_measured_once(tmp_path):
     # 0.9 and 0.88 both leave 2 of 16 connections: two rows with one key mixed their figures
-    with pytest.warns(UserWarning, match="sparsity 0.88 gives the same 2 connections as 0.9; measured once"):
+    with pytest.warns(UserWarning, match="sparsity 0.88 is recorded as 0.875, as 0.9 is; measured once"):
         assert snack_cli.main([*TINY, "--sparsity", "0.9", "0.88", "--out", str(tmp_path)]) == 0
     times = json.loads((tmp_path / "cpu_layer.json").read_text())["times"]
     assert sorted(t["variant"] for t in times) == sorted(VARIANT_NAMES)
@@ -245,3 +245,11 @@ def test_an_interrupted_run_leaves_the_previous_results_whole(tmp_path, capsys, 
     assert snack_cli.main([*TINY, "--sparsity", "0.75", "--out", str(tmp_path)]) == 130
     assert "snack bench: interrupted" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no mix, no partial files
+
+
+def test_without_matplotlib_the_results_are_written_without_the_plot(tmp_path, capsys, monkeypatch):
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    assert snack_cli.main([*TINY, "--sparsity", "0.5", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_layer.csv", "cpu_layer.json"]
+    assert "matplotlib is not installed: no plot" in capsys.readouterr().err

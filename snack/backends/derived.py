@@ -10,6 +10,7 @@ counter, so nothing derived from them is cached (the value is rebuilt on every c
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,6 +25,15 @@ _CACHE: dict[tuple, tuple[tuple[int, ...], Tensor, list]] = {}
 # guards _CACHE against layers running in several threads; reentrant, because a finalizer (_drop)
 # may run inside a locked section when the garbage collector frees a source there
 _LOCK = threading.RLock()
+
+
+def _new_lock() -> None:
+    # a child forked while another thread held the lock would otherwise wait for it forever
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 
 
 def derived(name: str, sources: tuple[Tensor, ...], build: Callable[[], Tensor]) -> Tensor:

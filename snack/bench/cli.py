@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import shlex
@@ -172,12 +173,15 @@ def run(args: argparse.Namespace) -> int:
         lambda path: write_csv(path, times),
         lambda path: write_plot(path, times, title),
     ]
+    if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (the [bench] extra)
+        print("snack bench: matplotlib is not installed: no plot", file=sys.stderr)
+        outputs, writers = outputs[:2], writers[:2]
     try:
         _write_together(outputs, writers)
     except OSError as error:
         print(f"snack bench: writing the results into {str(out)!r} failed: {error}", file=sys.stderr)
         return 2
-    print(f"\nwrote {outputs[0]}, .csv and {outputs[2]}", file=sys.stderr)
+    print(f"\nwrote {', '.join(map(str, outputs))}", file=sys.stderr)
     return 0
 
 
@@ -213,9 +217,11 @@ def _too_large(grid: Grid, device: torch.device) -> str | None:
     A rough upper bound, so that a size or batch too large is refused before the run rather than
     failing with an allocation error (or swapping) after the machine measurement: Dense+Mask
     training holds about five out×in float32 tensors at once (weight, mask, their product, and
-    two gradients), snack about 40 bytes per connection, and the activations a few B×(in+out)."""
+    two gradients; three without training), snack about 40 bytes per connection, and the
+    activations a few B×(in+out)."""
     free = _free_bytes(device)
     batch = max(grid.batches)
+    dense_tensors = 5 if "training" in grid.modes else 3
     for out_features, in_features in grid.sizes:
         try:
             densest = max(nnz_for_sparsity(out_features, in_features, s) for s in grid.sparsities)
@@ -223,7 +229,7 @@ def _too_large(grid: Grid, device: torch.device) -> str | None:
             return str(error)
         if free is None:
             continue
-        need = 4 * (5 * out_features * in_features + 10 * densest + 8 * batch * (out_features + in_features))
+        need = 4 * (dense_tensors * out_features * in_features + 10 * densest + 8 * batch * (out_features + in_features))
         if need > free:
             return (f"a {out_features}x{in_features} layer at batch {batch} needs about {need / 2**30:.1f} GiB, "
                     f"more than the {free / 2**30:.1f} GiB free on {device}; choose smaller --sizes or --batch")
@@ -231,10 +237,16 @@ def _too_large(grid: Grid, device: torch.device) -> str | None:
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` in bytes, where it can be known (Linux hosts, CUDA devices)."""
+    """Memory of ``device`` available to the run in bytes, where it can be known: a CUDA
+    device's free memory, or Linux's ``MemAvailable`` (free memory plus the page cache the kernel
+    can drop)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

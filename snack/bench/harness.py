@@ -156,22 +156,22 @@ def run_grid(
         # torch.sparse CSR announces its beta status on first use; not news to a benchmark reader
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
         for size in grid.sizes:
-            measured: dict[int, float] = {}  # nnz -> the sparsity asked for that gave it
+            measured: dict[float, float] = {}  # recorded sparsity -> the sparsity asked for that gave it
             for requested in grid.sparsities:
                 nnz = nnz_for_sparsity(*size, requested)
-                if nnz in measured:  # records are keyed on the real sparsity: measure each once
+                sparsity = real_sparsity(nnz, size[0] * size[1])
+                if sparsity in measured:  # records are keyed on it: measure each once
                     warnings.warn(
-                        f"snack bench: at {size[0]}x{size[1]}, sparsity {requested:g} gives the same {nnz} connections "
-                        f"as {measured[nnz]:g}; measured once",
+                        f"snack bench: at {size[0]}x{size[1]}, sparsity {requested:g} is recorded as {sparsity:g}, as "
+                        f"{measured[sparsity]:g} is; measured once",
                         stacklevel=2,
                     )
                     for _ in range(len(grid.batches) * len(grid.modes)):
                         if progress is not None:
-                            progress(f"{size[0]}x{size[1]} s={requested:g} (as {measured[nnz]:g})")
+                            progress(f"{size[0]}x{size[1]} s={requested:g} (as {measured[sparsity]:g})")
                     continue
-                measured[nnz] = requested
+                measured[sparsity] = requested
                 variants = build_variants(*size, requested, device)
-                sparsity = real_sparsity(variants[-1].layer)
                 for batch in grid.batches:
                     for mode in grid.modes:
                         samples = _measure_point(variants, size, batch, mode, grid.repeats, device)
@@ -189,12 +189,13 @@ def run_grid(
     return times, memory
 
 
-def real_sparsity(layer) -> float:
-    """The sparsity a record carries: the layer's real one (nnz is whole: a 4x4 layer at 0.9 is
-    0.875), to 6 decimals (0.9 reads 0.9 at 4096x4096, where it is 1 - 1677722 / 4096²), but
-    never rounded up to 1 while the layer has connections."""
-    rounded = round(layer.sparsity, 6)
-    return rounded if rounded < 1 or layer.nnz == 0 else layer.sparsity
+def real_sparsity(nnz: int, total: int) -> float:
+    """The sparsity a record carries for ``nnz`` of ``total`` connections: the real one (nnz is
+    whole: a 4x4 layer at 0.9 is 0.875), to 6 decimals (0.9 reads 0.9 at 4096x4096, where it is
+    1 - 1677722 / 4096²), but never rounded up to 1 while the layer has connections."""
+    exact = 1.0 - nnz / total
+    rounded = round(exact, 6)
+    return rounded if rounded < 1 or nnz == 0 else exact
 
 
 def select(records: Iterable[TimeRecord], **fields) -> list[TimeRecord]:

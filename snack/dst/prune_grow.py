@@ -108,9 +108,10 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
 
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
     (``rows · in <= block_elements``, at least one row), active positions of the block are
-    masked out, and a running top-``k`` is kept across blocks, so at most one block plus ``2k``
-    scores exist at once: the ``out × in`` gradient only for a layer that fits in one block
-    (4 MB of float32 scores by default).
+    masked out, and a running top-``k`` is kept across blocks (once ``k`` are kept, only scores
+    reaching the ``k``-th best join it), so at most two blocks plus ``k`` scores exist at once:
+    the ``out × in`` gradient only for a layer that fits in one block (4 MB of float32 scores by
+    default).
 
     Args:
         x: ``(B, in)`` layer inputs of the batch.
@@ -140,7 +141,8 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
         if best_scores.numel() == k:
             # only scores reaching the k-th best so far can enter: a topk of every block took 5.7x
             # as long (a 20000² layer at 99.99%, batch 8, growing 12000: 6.7 -> 1.2 s)
-            block_index = (scores >= best_scores.min()).nonzero().squeeze(1)
+            # (NaN included: topk ranks it first)
+            block_index = ((scores >= best_scores.min()) | scores.isnan()).nonzero().squeeze(1)
             block_scores = scores[block_index]
         else:
             block_scores, block_index = scores.topk(min(k, scores.numel()))
