@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from snack.backends.derived import derived, held
-from snack.func import transforms_active
 from snack.distributions import layer_sparsities
+from snack.func import transforms_active
 from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
     INDEX_DTYPE,
@@ -665,9 +665,10 @@ def sparsify(
     included and none excluded). Hooks registered on a replaced layer are not carried over; a
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
-    another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them. Subclasses of ``nn.Linear`` stay dense, with a warning: their owners
-    may read ``.weight`` (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward``
-    may differ; convert one deliberately with :meth:`SparseLinear.from_dense`.
+    another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
+    Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
+    (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
+    deliberately with :meth:`SparseLinear.from_dense`.
     """
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
@@ -679,9 +680,8 @@ def sparsify(
         if not _selected(names, include, exclude):
             continue
         if (wb := _dense_weight_and_bias(child)) is not None:
-            shared_with = sorted({
-                other for p in child._parameters.values() if p is not None for other in owners[id(p)] if other not in names
-            })
+            parameters = [p for p in child._parameters.values() if p is not None]
+            shared_with = sorted({other for p in parameters for other in owners[id(p)] if other not in names})
             if child._forward_pre_hooks:
                 hooked.append(names[0] or "(root)")
             elif shared_with:

@@ -1,8 +1,9 @@
 """``snack train``: train a sparse MLP with dynamic sparse training on real MNIST digits.
 
 The model is ``in → width → width → 10`` with ReLU, built sparse (the layers
-``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model) and trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing,
-``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
+``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model) and
+trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm
+static``) rewires it. ``--compare`` trains the same architecture dense
 (``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
 and prints a side-by-side table. The models train in lockstep on the same batches, so timing
@@ -73,7 +74,9 @@ def mlp(in_features: int, width: int, classes: int = 10) -> nn.Sequential:
     )
 
 
-def sparse_mlp(in_features: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Sequential:
+def sparse_mlp(
+    in_features: int, width: int, sparsity: float, distribution: str, device, classes: int = 10
+) -> nn.Sequential:
     """:func:`mlp` built sparse, with the per-layer sparsities of ``distribution`` at overall
     ``sparsity`` and random topologies: what ``sparsify(mlp(...), init="random")`` makes, without
     first building the dense layers (at ``--width 40000`` those would be 6.4 GB each)."""

@@ -229,7 +229,8 @@ def _too_large(grid: Grid, device: torch.device) -> str | None:
             return str(error)
         if free is None:
             continue
-        need = 4 * (dense_tensors * out_features * in_features + 10 * densest + 8 * batch * (out_features + in_features))
+        activations = 8 * batch * (out_features + in_features)
+        need = 4 * (dense_tensors * out_features * in_features + 10 * densest + activations)
         if need > free:
             return (f"a {out_features}x{in_features} layer at batch {batch} needs about {need / 2**30:.1f} GiB, "
                     f"more than the {free / 2**30:.1f} GiB free on {device}; choose smaller --sizes or --batch")

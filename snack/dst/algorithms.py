@@ -139,7 +139,8 @@ def _refuse_shared_values(named: dict[str, SparseLinear], found: list[tuple[str,
         if first is not layer and any(m is layer or m is first for _, m in found):
             raise ValueError(
                 f"layers {first_name!r} and {name!r} share one values Parameter: dynamic sparsity would rewire one "
-                "and leave the other reading the new values at its old connections. Untie them, or leave both out of layers."
+                "and leave the other reading the new values at its old connections. Untie them, or leave both out "
+                "of layers."
             )
 
 

@@ -598,8 +598,9 @@ constexpr int64_t kScatterPrefetch = 8;
 // scatter_rows at batch 1 (float accumulation), sixteen non-zeros of a row at a time: buf[col]
 // is gathered, incremented by values · dy[r] and scattered back; with kFused, dval = dy[r] · x[col]
 // from a gather of x. A row's columns are distinct (every Topology the layers build is validated;
-// the custom ops trust theirs, see the README's Limits), so the lanes of one scatter never collide. Against the scalar loop, interleaved at 90% sparsity on 2 threads: the
-// fused backward 1.33x faster at 4096² (1.17 -> 0.89 ms), 1.40x at 768 -> 3072 (0.21 -> 0.15 ms).
+// the custom ops trust theirs, see the README's Limits), so the lanes of one scatter never
+// collide. Against the scalar loop, interleaved at 90% sparsity on 2 threads: the fused backward
+// 1.33x faster at 4096² (1.17 -> 0.89 ms), 1.40x at 768 -> 3072 (0.21 -> 0.15 ms).
 template <bool kFused, typename scalar_t>
 void scatter_row_vector(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
                         const float* dy, float* buf, const float* x, float* dval, bool accumulate) {
