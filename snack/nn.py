@@ -230,17 +230,21 @@ class SparseLinear(nn.Module):
                 cached = self._topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
                 self._topology_key = None  # eager code rebuilds and validates its own
             return cached
-        if cached is None or not _built_from(key, row, col):
-            if _is_batched(row) or _is_batched(col):
-                raise ValueError(
-                    "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's members "
-                    "must share one topology: vmap over the parameters only and pass the buffers unbatched "
-                    "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
-                )
-            cached = Topology(row, col, (self.out_features, self.in_features))
-            self._topology = cached
-            self._topology_key = _buffers_key(row, col)
-        return cached
+        if cached is not None and _built_from(key, row, col):
+            return cached
+        if _is_batched(row) or _is_batched(col):
+            raise ValueError(
+                "SparseLinear: vmap over a layer's topology (row/col) is not supported; an ensemble's members "
+                "must share one topology: vmap over the parameters only and pass the buffers unbatched "
+                "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
+            )
+        with _STATE_LOCK:  # rebuilds see the current row/col, one at a time: none stores a stale topology
+            key, cached, row, col = self._topology_key, self._topology, self.row, self.col
+            if cached is None or not _built_from(key, row, col):
+                cached = Topology(row, col, (self.out_features, self.in_features))
+                self._topology = cached
+                self._topology_key = _buffers_key(row, col)
+            return cached
 
     def index_tensors(self) -> list[Tensor]:
         """Every index tensor the layer holds now, for memory accounting: ``row``, ``col``, what
@@ -372,7 +376,7 @@ class SparseLinear(nn.Module):
         without the others is an error, also with ``strict=False``); ``_extra_state`` (the shape
         check) is optional. On any error the layer is left untouched. Under
         ``torch.inference_mode`` the new tensors are still normal ones (the layer must train)."""
-        with torch.inference_mode(False), _STATE_LOCK:
+        with torch.inference_mode(False):
             self._load_topology(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _load_topology(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -419,13 +423,17 @@ class SparseLinear(nn.Module):
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
-        # (nn.Module copies the values in place, as it copies every parameter: shared memory and
-        # bucket views keep working; a forward in another thread may then read some new values)
-        if row.numel() != self.nnz:
-            _replace_data(self.values, self.values.new_empty(row.numel()))
-        self.row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
-        self.col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
-        self._topology = None
+        row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
+        col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
+        # another nnz: new values, filled before a forward in another thread can see them; the
+        # same nnz: nn.Module copies them in place below, as it copies every parameter (shared
+        # memory and bucket views keep working; a forward meanwhile may read some new values)
+        resized = values.to(self.values, copy=True) if row.numel() != self.nnz else None
+        with _STATE_LOCK:  # held only for the swap: nn.Module's copies and load hooks run without it
+            if resized is not None:
+                _replace_data(self.values, resized)
+            self.row, self.col = row, col
+            self._topology = None
         # row/col now match; nn.Module copies them again (cheap) and copies values and bias
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors

@@ -199,3 +199,12 @@ def test_rewire_under_inference_mode_leaves_an_optimizer_that_can_step():
     assert not any(t.is_inference() for t in opt.state[layer.values].values() if torch.is_tensor(t))
     layer(torch.randn(2, 9)).sum().backward()
     opt.step()  # in-place updates of the remapped state
+
+
+def test_gradient_grow_ranks_nan_first_without_losing_larger_scores_of_later_blocks():
+    # |dW| = [[nan, 0.1], [(active), 0.9]], one row per block: a kept NaN made the running k-th
+    # best NaN, and every later finite score failed the prefilter
+    topo = Topology(torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), (2, 2))
+    x = torch.tensor([[float("nan"), 0.1]])
+    dy = torch.tensor([[1.0, 9.0]])
+    assert gradient_grow(x, dy, topo, 2, block_elements=2).tolist() == [0, 3]
