@@ -9,6 +9,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -241,7 +242,14 @@ class SparseLinear(nn.Module):
         with _STATE_LOCK:  # rebuilds see the current row/col, one at a time: none stores a stale topology
             key, cached, row, col = self._topology_key, self._topology, self.row, self.col
             if cached is None or not _built_from(key, row, col):
-                cached = Topology(row, col, (self.out_features, self.in_features))
+                try:
+                    cached = Topology(row, col, (self.out_features, self.in_features))
+                except (ValueError, TypeError) as error:
+                    raise type(error)(
+                        f"SparseLinear({self.in_features}, {self.out_features}): its row/col buffers are not a valid "
+                        f"topology ({error}); they were changed or replaced (after to_empty() they hold uninitialised "
+                        "memory: load a state_dict or call set_topology)"
+                    ) from error
                 self._topology = cached
                 self._topology_key = _buffers_key(row, col)
             return cached
@@ -275,6 +283,12 @@ class SparseLinear(nn.Module):
             self._set_topology(row, col, values)
 
     def _set_topology(self, row: Tensor, col: Tensor, values: Tensor | None) -> None:
+        self._commit_topology(self._prepare_topology(row, col, values))
+
+    def _prepare_topology(self, row: Tensor, col: Tensor, values: Tensor | None, *, copy: bool = True) -> _NewTopology:
+        """Check a new topology and make every tensor :meth:`_commit_topology` needs (the
+        allocations that may fail), changing nothing. ``copy=False``: the caller hands over
+        ``row``/``col``/``values`` it made for this (they must not alias anything)."""
         validate_coo(row, col, (self.out_features, self.in_features))
         if row.device != self.values.device:
             raise ValueError(f"row/col must be on the layer's device {self.values.device}, got {row.device}")
@@ -285,10 +299,16 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"values must be {self.values.dtype} on {self.values.device}, got {values.dtype} on {values.device}"
             )
-        row, col, values = row.to(torch.int32, copy=True), col.to(torch.int32, copy=True), values.detach().clone()
+        row, col = row.to(torch.int32, copy=copy), col.to(torch.int32, copy=copy)
+        values = values.detach().clone() if copy else values.detach()
+        return _NewTopology(row, col, values, _data_swap(self.values, values))
+
+    def _commit_topology(self, new: _NewTopology) -> None:
+        """Install a prepared topology: only reference swaps, nothing that allocates, so a
+        multi-layer update (snack.dst) cannot stop half-way."""
         with _STATE_LOCK:  # forwards in other threads see all of the change or none (_consistent_state)
-            self.row, self.col = row, col
-            _replace_data(self.values, values)
+            self.row, self.col = new.row, new.col
+            _replace_data(self.values, new.values, new.swap)
             self._topology = None
 
     def _apply(self, fn, recurse=True):
@@ -316,6 +336,14 @@ class SparseLinear(nn.Module):
         if input.device != self.values.device:
             raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
         values, bias, topology = self._consistent_state()
+        if torch._C._get_tracing_state() is None and (  # torch.jit.trace sees nnz as a tensor: a TracerWarning
+            values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,))
+        ):
+            # parameters put in by assignment or torch.func.functional_call: the kernels trust shapes
+            raise ValueError(
+                f"SparseLinear: values must have shape ({topology.nnz},) (one per connection) and bias "
+                f"({self.out_features},), got {tuple(values.shape)} and {None if bias is None else tuple(bias.shape)}"
+            )
         x, cast_values, bias = autocast_inputs(input, values, bias)
         if x.dtype != cast_values.dtype:
             under = " under autocast" if cast_values is not values else ""
@@ -423,17 +451,27 @@ class SparseLinear(nn.Module):
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
-        row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
-        col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
-        # another nnz: new values, filled before a forward in another thread can see them; the
-        # same nnz: nn.Module copies them in place below, as it copies every parameter (shared
-        # memory and bucket views keep working; a forward meanwhile may read some new values)
-        resized = values.to(self.values, copy=True) if row.numel() != self.nnz else None
-        with _STATE_LOCK:  # held only for the swap: nn.Module's copies and load hooks run without it
-            if resized is not None:
-                _replace_data(self.values, resized)
-            self.row, self.col = row, col
-            self._topology = None
+        if row.numel() == self.nnz and not (self.row.is_inference() or self.col.is_inference()):
+            # the same nnz: row/col are copied in place, as nn.Module copies every buffer and
+            # parameter (values, bias below), so whatever shares them follows the load (shared
+            # memory, a traced module); a forward in another thread meanwhile may read some new
+            # values or coordinates (the README's Limits)
+            row = row.to(device=self.row.device, dtype=torch.int32)
+            col = col.to(device=self.col.device, dtype=torch.int32)
+            with _STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
+                self.row.copy_(row)
+                self.col.copy_(col)
+                self._topology = None
+        else:
+            # another nnz: new tensors, the values filled before a forward in another thread can
+            # see them, swapped under the lock (held only for that: nn.Module's copies and load
+            # hooks run without it)
+            values = values.detach().to(self.values, copy=True)
+            self._commit_topology(_NewTopology(
+                row.to(device=self.row.device, dtype=torch.int32, copy=True),
+                col.to(device=self.col.device, dtype=torch.int32, copy=True),
+                values, _data_swap(self.values, values),
+            ))  # fmt: skip
         # row/col now match; nn.Module copies them again (cheap) and copies values and bias
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
@@ -521,18 +559,35 @@ def _built_from(key: tuple | None, row: Tensor, col: Tensor) -> bool:
     return key is not None and key[0] is row and key[1] is col and key[2:] == (_version(row), _version(col))
 
 
-def _replace_data(param: nn.Parameter, data: Tensor) -> None:
-    """Give ``param`` new data, possibly of another size, keeping the Parameter object (which
-    optimizers hold) and dropping its now meaningless ``.grad``.
+class _NewTopology(NamedTuple):
+    """A checked topology, ready for :meth:`SparseLinear._commit_topology`."""
+
+    row: Tensor  # (nnz',) int32
+    col: Tensor  # (nnz',) int32
+    values: Tensor  # (nnz',) the layer's dtype and device
+    swap: Tensor | None  # what _replace_data assigns first (see _data_swap)
+
+
+def _data_swap(param: nn.Parameter, data: Tensor) -> Tensor | None:
+    """What :func:`_replace_data` must assign to ``param.data`` before ``data``: ``None`` when
+    the shape stays, else an empty tensor of another dtype.
 
     Autograd caches one gradient accumulator per leaf, holding the leaf's shape, for as long as
     any earlier graph is alive (e.g. the previous step's ``loss``); the next backward would then
     reject a gradient of the new size. Assigning ``.data`` of another dtype drops that cache
-    (``VariableHooks::set_data``), hence the detour through another dtype.
+    (``VariableHooks::set_data``), hence the detour (made ahead, so the swap itself allocates nothing).
     """
+    if data.shape == param.shape:
+        return None
+    return data.new_empty(0, dtype=torch.float32 if data.dtype == torch.float64 else torch.float64)
+
+
+def _replace_data(param: nn.Parameter, data: Tensor, swap: Tensor | None) -> None:
+    """Give ``param`` new data, possibly of another size, keeping the Parameter object (which
+    optimizers hold) and dropping its now meaningless ``.grad``. ``swap``: :func:`_data_swap`'s."""
     with torch.no_grad():
-        if data.shape != param.shape:
-            param.data = data.to(torch.float32 if data.dtype == torch.float64 else torch.float64)
+        if swap is not None:
+            param.data = swap
         param.data = data
     # assigning .data keeps the version counter: bump it, so a graph recorded with the old
     # connections fails its saved-tensor check instead of back-propagating into the new ones

@@ -29,6 +29,8 @@ too. Without autograd (inference) it calls the backend's ``spmm`` and nothing el
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -417,7 +419,8 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
     out_features, in_features = topology.shape
     compiling = torch.compiler.is_compiling()  # torch.compile, torch.export
     tracing = not compiling and torch._C._get_tracing_state() is not None  # torch.jit.trace
-    x2d = x if x.dim() == 2 else x.reshape(-1, in_features)
+    # the batch size spelled out: reshape(-1, in) cannot infer it for an empty batch inside vmap
+    x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), in_features)
     if compiling or tracing:  # record the custom op, with its registered autograd
         y = torch.ops.snack.spmm(x2d, values, *topology.tensors())
         if bias is not None:

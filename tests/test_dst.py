@@ -312,6 +312,69 @@ def test_load_state_dict_rejects_another_configuration():
         snack.dst.RigL(model, opt, total_steps=100).load_state_dict(state)
 
 
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning])
+def test_load_state_dict_rejects_malformed_states_naming_what_is_wrong(algorithm):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradual = {"final_sparsity": 0.9, "start_step": 0, "end_step": 100}
+    options = gradual if algorithm is snack.dst.GradualPruning else {"total_steps": 100}
+    dst = algorithm(model, opt, **options)
+    state = dst.state_dict()
+    before = copy.deepcopy(state)
+    with pytest.raises(TypeError, match="expected the dict"):
+        dst.load_state_dict(None)
+    with pytest.raises(ValueError, match="no 'step' entry"):
+        dst.load_state_dict({key: value for key, value in state.items() if key != "step"})
+    if algorithm is snack.dst.GradualPruning:  # counts that later divided by zero or crashed a step
+        for bad in (["a"] * 3, [-5, 1, 1], [2.5, 1, 1], [10**9, 1, 1], [True, 1, 1]):
+            with pytest.raises(ValueError, match="initial_nnz"):
+                dst.load_state_dict({**state, "initial_nnz": bad})
+    after = dst.state_dict()
+    assert after.keys() == before.keys() and torch.equal(after["generator"], before["generator"])
+    assert {k: v for k, v in after.items() if k != "generator"} == {k: v for k, v in before.items() if k != "generator"}
+
+
+def test_numpy_numbers_are_accepted_as_arguments():
+    np = pytest.importorskip("numpy")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.SET(model, opt, drop_fraction=np.float32(0.25), update_every=np.int64(2), total_steps=np.int64(10))
+    assert dst.state_dict()["config"]["total_steps"] == 10 and type(dst.state_dict()["config"]["total_steps"]) is int
+    snack.dst.GradualPruning(model, opt, final_sparsity=np.float32(0.9), start_step=np.int64(0), end_step=np.int64(10))
+
+
+def test_an_optimizer_keeping_tensors_in_lists_is_refused():
+    # LBFGS's history (old_dirs, old_stps) is per element but inside lists: a remap would miss it
+    layer = snack.SparseLinear(6, 4, bias=False, sparsity=0.5)  # LBFGS flattens all its parameters into one
+    opt = torch.optim.LBFGS(layer.parameters(), history_size=3)
+    x = torch.randn(5, 6)
+
+    def closure():
+        opt.zero_grad()
+        loss = layer(x).square().sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    with pytest.raises(ValueError, match="'old_dirs'.*inside a list"):
+        snack.dst.SET(layer, opt, total_steps=10)
+
+
+def test_a_dropped_armed_rigl_leaves_no_hooks_recording():
+    """A DST object dropped while its hooks are armed (a notebook cell run again) must not leave
+    them recording every later step into a capture nothing clears."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(32, 16, sparsity=0.5)
+    opt = torch.optim.Adam(layer.parameters())
+    dst = snack.dst.RigL(layer, opt, update_every=1, total_steps=100)  # armed for its first step
+    assert layer._forward_hooks
+    del dst
+    gc.collect()
+    assert not layer._forward_hooks
+    layer(torch.randn(4, 32, requires_grad=True)).sum().backward()  # nothing to record into
+
+
 def _live_tensors():
     gc.collect()
     with warnings.catch_warnings():
@@ -473,11 +536,14 @@ def test_unknown_optimizer_state_shape_fails_before_any_change():
     assert dst.step_count == 1
 
 
+@pytest.mark.parametrize("where", ["plan_rewire", "validate_coo"])
 @pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
-def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, monkeypatch):
-    """Every layer's rewiring is computed before any is applied: an error on the last one (here
-    an allocation failure) leaves the first ones, the optimizer and the RNG untouched, and a
-    retry gives the update an undisturbed run gives."""
+def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, where, monkeypatch):
+    """Every layer's rewiring is computed, and every tensor it needs allocated, before any is
+    applied: an error on the last one (here an allocation failure, while planning it or in the
+    checks and copies of its new topology, which once ran while applying) leaves the first ones,
+    the optimizer and the RNG untouched, and a retry gives the update an undisturbed run gives."""
+    module = {"plan_rewire": snack.dst.algorithms, "validate_coo": snack.nn}[where]
     runs = []
     for fail in (True, False):
         model = _model()
@@ -488,7 +554,7 @@ def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, monk
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         if fail:
-            real, calls = snack.dst.algorithms.plan_rewire, []
+            real, calls = getattr(module, where), []
 
             def failing(*args, **kwargs):
                 calls.append(1)
@@ -498,7 +564,7 @@ def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, monk
 
             before, rng = _snapshot(model, opt), dst.generator.get_state()
             with monkeypatch.context() as patch:
-                patch.setattr(snack.dst.algorithms, "plan_rewire", failing)
+                patch.setattr(module, where, failing)
                 with pytest.raises(torch.OutOfMemoryError):
                     dst.step()
             _same(before, _snapshot(model, opt))

@@ -28,6 +28,20 @@ def test_magnitude_drop_split_sign_drops_both_signs_near_zero():
     assert magnitude_drop(values, 4, split_sign=True).tolist() == [1, 4, 5, 7]
 
 
+@pytest.mark.parametrize("split_sign", [False, True])
+def test_magnitude_drop_returns_k_positions_with_nan_weights_dropped_last(split_sign):
+    # a NaN is neither >= 0 nor < 0: split_sign once lost it and returned fewer than k positions
+    nan = float("nan")
+    values = torch.tensor([0.5, nan, -0.1, 0.3, nan, -0.9, 0.05, nan, nan, 0.2])
+    for k in range(values.numel() + 1):
+        drop = magnitude_drop(values, k, split_sign=split_sign)
+        assert drop.numel() == k and drop.unique().numel() == k
+        # the finite weights go first: of all of them, or with split_sign of the non-negative
+        # ones, among which a NaN is counted
+        finite = ~values.isnan() & (values >= 0 if split_sign else True)
+        assert not values[drop].isnan().any() or finite[drop].sum() == finite.sum()
+
+
 @pytest.mark.parametrize("sparsity", [0.9, 0.3, 0.02])
 def test_random_grow_returns_distinct_inactive_positions(sparsity):
     topo = _topology(20, 30, sparsity)

@@ -175,6 +175,8 @@ def test_vmap_over_empty_batches():
     layer = _model()[0]
     assert vmap(layer)(torch.randn(4, 0, 6, dtype=DTYPE)).shape == (4, 0, 5)
     assert vmap(layer)(torch.randn(0, 3, 6, dtype=DTYPE)).shape == (0, 3, 5)
+    # one sample of shape (in,) each, none of them: reshape(-1, in) could not infer the batch
+    assert vmap(layer)(torch.randn(0, 6, dtype=DTYPE)).shape == (0, 5)
 
 
 def test_per_group_gradients_with_several_rows_each():

@@ -777,6 +777,65 @@ def test_set_topology_and_load_state_dict_under_inference_mode_leave_a_trainable
     torch.testing.assert_close(layer.values.grad, dense_forward_and_grads(layer, x, torch.ones(3, 7))[2])
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the layer's input-shape check
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_a_load_of_the_same_nnz_copies_row_and_col_in_place():
+    """As nn.Module copies every buffer: whatever shares the layer's tensors follows the load (a
+    traced module, a share_memory() worker). Replacing row/col while values were copied in place
+    gave them the new values on the old coordinates, silently."""
+    layer = make_layer(7, 9, 0.5, seed=0)
+    source = _same_size_other(layer)
+    x = torch.randn(3, 9, dtype=torch.float64)
+    traced = torch.jit.trace(layer, x)
+    row, col, values = layer.row, layer.col, layer.values
+    layer.load_state_dict(source.state_dict())
+    assert layer.row is row and layer.col is col and layer.values is values
+    assert torch.equal(row, source.row) and torch.equal(col, source.col)
+    torch.testing.assert_close(layer(x), source(x))
+    torch.testing.assert_close(traced(x), source(x))
+
+
+def test_a_failed_allocation_in_set_topology_leaves_the_layer_whole(monkeypatch):
+    """The tensors a new topology needs are made before any is installed: an allocation that
+    fails (out of memory) once left row/col of the new nnz with values of the old."""
+    layer = make_layer(7, 9, 0.5)
+    before = copy.deepcopy(layer.state_dict())
+
+    def failing(*args):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(snack.nn, "_data_swap", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer.set_topology(layer.row[:3].clone(), layer.col[:3].clone())
+    after = layer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(2, 9, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), dense_forward_and_grads(layer, x, torch.ones(2, 7))[0])
+
+
+def test_parameters_of_the_wrong_shape_are_a_clear_error_not_a_kernel_one():
+    # put in by assignment or functional_call; the kernels trust shapes (the reference backend broadcast them)
+    layer = make_layer(7, 9, 0.5)
+    x = torch.randn(2, 9, dtype=torch.float64)
+    wrong = {"values": layer.values.detach()[:1], "bias": layer.bias.detach()}
+    for backend in ("cpu", "reference"):
+        with snack.use_backend(backend), pytest.raises(ValueError, match=rf"values must have shape \({layer.nnz},\)"):
+            torch.func.functional_call(layer, wrong, (x,))
+    with pytest.raises(ValueError, match=r"bias \(7,\), got .* and \(6,\)"):
+        torch.func.functional_call(layer, {"bias": layer.bias.detach()[:6]}, (x,))
+    layer.values = nn.Parameter(layer.values.detach()[:, None])
+    with pytest.raises(ValueError, match=r"got \(\d+, 1\)"):
+        layer(x.requires_grad_())
+
+
+def test_invalid_coordinate_buffers_are_an_error_naming_the_layer():
+    layer = make_layer(7, 9, 0.5)
+    layer.to_empty(device="cpu")  # uninitialised memory: what it holds is arbitrary
+    layer.row.fill_(100)
+    with pytest.raises(ValueError, match=r"SparseLinear\(9, 7\): its row/col buffers are not a valid topology"):
+        layer(torch.randn(2, 9, dtype=torch.float64))
+
+
 def test_set_topology_copies_the_coordinates_it_is_given():
     layer = make_layer(7, 9, 0.5)
     row, col = layer.row[:3].clone(), layer.col[:3].clone()

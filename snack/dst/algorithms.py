@@ -21,6 +21,7 @@ never regrown in the same update (the issue's rule; RigL's reference code may re
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Iterable
 
@@ -45,15 +46,16 @@ _SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # numbers.Integral: NumPy integers too (a config read with NumPy), as Python ints
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def _check_fraction(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
@@ -213,11 +215,16 @@ class DynamicSparsity:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output of the same algorithm with the same configuration."""
+        if not isinstance(state, dict):
+            raise TypeError(f"cannot load DST state: expected the dict state_dict() returns, got {type(state).__name__}")
         layers = [name for name, _ in self.layers]
         expected = {"algorithm": type(self).__name__, "layers": layers, "config": self._config()}
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(f"cannot load DST state: {key} is {state.get(key)!r}, this object has {value!r}")
+        for key in ("step", "generator"):
+            if key not in state:
+                raise ValueError(f"cannot load DST state: it has no {key!r} entry (keys: {sorted(state)})")
         step = _check_int(state["step"], "step", 0)
         self.generator.set_state(state["generator"])
         self.step_count = step
@@ -653,10 +660,18 @@ class GradualPruning(DynamicSparsity):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output, including the layers' counts and overall sparsity at the
         start of the saved run (which a model loaded before construction no longer has)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"cannot load DST state: expected the dict state_dict() returns, got {type(state).__name__}")
         initial_nnz = state.get("initial_nnz")
-        if not isinstance(initial_nnz, list) or len(initial_nnz) != len(self.layers):
+        sizes = [layer.out_features * layer.in_features for _, layer in self.layers]
+        if (
+            not isinstance(initial_nnz, list) or len(initial_nnz) != len(self.layers)
+            or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and 0 <= n <= size
+                       for n, size in zip(initial_nnz, sizes))
+        ):
             raise ValueError(
-                f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, got {initial_nnz!r}"
+                f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, each an int from 0 to the "
+                f"layer's size {sizes}, got {initial_nnz!r}"
             )
         config = state.get("config")
         if "initial_sparsity" not in state and isinstance(config, dict) and "initial_sparsity" in config:
@@ -674,7 +689,7 @@ class GradualPruning(DynamicSparsity):
                 f"{self.final_sparsity}], got {effective!r}"
             )
         super().load_state_dict(state)
-        self.initial_nnz = list(initial_nnz)
+        self.initial_nnz = [int(n) for n in initial_nnz]
         self.initial_sparsity = float(effective)
 
     def _config(self) -> dict:
@@ -693,6 +708,8 @@ class GradualPruning(DynamicSparsity):
         # Scaled from the density the layers had at the start (not 1 - initial_sparsity, which the
         # caller may set apart from it), so the overall sparsity is s_t (once s_t passes it).
         total = sum(layer.out_features * layer.in_features for _, layer in self.layers)
+        if sum(self.initial_nnz) == 0:  # nothing was connected: nothing to prune
+            return _EMPTY, _EMPTY, None
         ratio = (1.0 - self.sparsity(step)) / (sum(self.initial_nnz) / total)
         target = max(1, round(self.initial_nnz[index] * ratio))
         drop = magnitude_drop(layer.values, max(0, layer.nnz - target))

@@ -21,6 +21,8 @@ see :func:`snack.dst.prune_grow.gradient_grow`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,14 @@ class GradientCapture:
         self.layers = layers
         self._handles: list = []
         self._records: list[list[list[Tensor | None]]] = [[] for _ in layers]
+        self._remove_hooks_when_collected()
+
+    def _remove_hooks_when_collected(self) -> None:
+        # The hooks hold this capture weakly: a DST object dropped while armed (a notebook cell
+        # run again) must not leave hooks on the layers recording every later step. The finalizer
+        # holds the handle list, not the capture.
+        self._handle_box: list = []
+        weakref.finalize(self, _remove_all, self._handle_box)
 
     @property
     def armed(self) -> bool:
@@ -50,6 +60,7 @@ class GradientCapture:
             layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
         ]
+        self._handle_box[:] = self._handles
 
     def __setstate__(self, state: dict) -> None:
         # A copy (copy.deepcopy, pickle) of an armed capture, made with its layers: the layers'
@@ -57,16 +68,22 @@ class GradientCapture:
         # Replace them with live hooks of this copy, or it would think itself armed and record
         # nothing. The records made so far are kept: the copy then updates as the original does.
         self.__dict__.update(state)
+        self._remove_hooks_when_collected()
         if self._handles:
             for handle in self._handles:
                 handle.remove()
             self._register()
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        _remove_all(self._handles)
         self._handles = []
+        self._handle_box.clear()
         self.clear()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_handle_box"]  # the finalizer's, re-made by __setstate__
+        return state
 
     def clear(self) -> None:
         self._records = [[] for _ in self.layers]
@@ -105,6 +122,11 @@ class GradientCapture:
         output.register_hook(grad_hook)
 
 
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 def _inside_vmap() -> bool:
     stack = torch._C._functorch.get_interpreter_stack()
     return bool(stack) and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
@@ -119,17 +141,19 @@ class _RecordingHook:
     """
 
     def __init__(self, capture: GradientCapture | None, index: int):
-        self.capture, self.index = capture, index
+        self.capture = weakref.ref(capture) if capture is not None else None
+        self.index = index
 
     def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
+        capture = self.capture() if self.capture is not None else None
         # eval passes (no_grad) never get a gradient, and a frozen layer is not updated: nothing to
         # record; nor inside torch.func.vmap, whose batched tensors must not escape it
-        if self.capture is None or not (
+        if capture is None or not (
             torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad
             and module.values.requires_grad
         ) or _inside_vmap():
             return
-        self.capture.record(self.index, args[0] if args else kwargs["input"], output)
+        capture.record(self.index, args[0] if args else kwargs["input"], output)
 
     def __reduce__(self):
         return _RecordingHook, (None, self.index)

@@ -39,12 +39,28 @@ def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
 def check_state(optimizer: torch.optim.Optimizer, param: Tensor, name: str) -> None:
     """Raise ``ValueError`` if some state of ``param`` is neither per-element nor a scalar."""
     for key, value in optimizer.state.get(param, {}).items():
+        if isinstance(value, (list, tuple, dict)) and _holds_tensors(value):
+            # e.g. LBFGS's history (old_dirs, old_stps): tensors in the old connection order that
+            # the remap would not reach, so the next step would mix connections without a word
+            raise ValueError(
+                f"cannot remap optimizer state {key!r} of {name}.values: it holds tensors inside a "
+                f"{type(value).__name__} (e.g. LBFGS's history); snack.dst supports optimizers whose state is per "
+                "element (SGD, Adam, AdamW, RMSprop, Adagrad, ...)"
+            )
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape != param.shape:
             raise ValueError(
                 f"cannot remap optimizer state {key!r} of {name}.values: shape {tuple(value.shape)} is neither "
                 f"per-element {tuple(param.shape)} nor a scalar; snack.dst supports optimizers whose state is "
                 "per element (SGD, Adam, AdamW, RMSprop, Adagrad, ...)"
             )
+
+
+def _holds_tensors(container) -> bool:
+    items = container.values() if isinstance(container, dict) else container
+    return any(
+        isinstance(item, Tensor) and item.dim() > 0 or isinstance(item, (list, tuple, dict)) and _holds_tensors(item)
+        for item in items
+    )
 
 
 def remapped_state(optimizer: torch.optim.Optimizer, param: Tensor, src: Tensor, name: str) -> dict | None:

@@ -44,8 +44,10 @@ def magnitude_drop(values: Tensor, k: int, *, split_sign: bool = False) -> Tenso
         return torch.empty(0, dtype=torch.int64, device=values.device)
     if not split_sign:
         return torch.sort(values.abs(), stable=True).indices[:k].sort().values
-    positive = (values >= 0).nonzero().squeeze(1)
-    negative = (values < 0).nonzero().squeeze(1)
+    # NaN counts as positive, and sorts last there: dropped last, as without split_sign
+    negative_mask = values < 0
+    positive = (~negative_mask).nonzero().squeeze(1)
+    negative = negative_mask.nonzero().squeeze(1)
     k_pos = min(positive.numel(), round(k * positive.numel() / values.numel()))
     k_neg = min(negative.numel(), k - k_pos)
     k_pos = k - k_neg  # if one sign is short, the other gives the rest

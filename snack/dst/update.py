@@ -15,7 +15,7 @@ from torch import Tensor
 
 from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.dst.prune_grow import linear_index
-from snack.nn import SparseLinear
+from snack.nn import SparseLinear, _NewTopology
 
 __all__ = ["Rewiring", "plan_rewire", "rewire"]
 
@@ -27,14 +27,14 @@ class Rewiring:
 
     layer: SparseLinear
     optimizer: torch.optim.Optimizer
-    row: Tensor  # (nnz',) int32, sorted with col by (row, col)
-    col: Tensor  # (nnz',) int32
-    values: Tensor  # (nnz',) the new weights
+    topology: _NewTopology  # row, col (nnz',) int32 sorted by (row, col), the new values (nnz',)
     state: dict | None  # the optimizer's new state of layer.values (None: it has none)
 
     def apply(self) -> None:
+        """Install it: reference swaps only (everything was allocated while planning), so an
+        update of several layers cannot fail half-way, e.g. out of memory."""
         param = self.layer.values
-        self.layer.set_topology(self.row, self.col, self.values)
+        self.layer._commit_topology(self.topology)
         if self.state is not None:
             self.optimizer.state[param] = self.state
 
@@ -96,7 +96,7 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
     state = remapped_state(optimizer, values, src, name)
     in_features = layer.in_features
     row, col = (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
-    return Rewiring(layer, optimizer, row, col, new_values, state)
+    return Rewiring(layer, optimizer, layer._prepare_topology(row, col, new_values, copy=False), state)
 
 
 def rewire(
