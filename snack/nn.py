@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from snack.backends.derived import derived, held
 from snack.distributions import layer_sparsities
 from snack.func import transforms_active
-from snack.ops import _sparse_linear, autocast_inputs
+from snack.ops import _sparse_linear, autocast_inputs, sparse_linear
 from snack.topology import (
     INDEX_DTYPE,
     Topology,
@@ -326,6 +326,8 @@ class SparseLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, torch.fx.Proxy):  # torch.fx.symbolic_trace: record one call
+            return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, self.out_features, self.in_features)
         if not isinstance(input, Tensor):
             raise TypeError(f"SparseLinear expects a Tensor input, got {type(input).__name__}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
@@ -485,6 +487,21 @@ class SparseLinear(nn.Module):
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
         super().__setstate__(state)
+
+
+def _fx_sparse_linear(
+    x: Tensor, values: Tensor, bias: Tensor | None, row: Tensor, col: Tensor, out_features: int, in_features: int
+) -> Tensor:
+    """A :class:`SparseLinear` forward as ``torch.fx.symbolic_trace`` records it: one call taking
+    the layer's tensors (``get_attr`` nodes), so FX-based tools (feature extractors, graph
+    rewriters) see the layer as one node, as they see ``nn.Linear``. The index data are derived
+    as in traced programs (:func:`_topology_index_data`, cached per row/col)."""
+    shape = (out_features, in_features)
+    topology = Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
+    return sparse_linear(x, values, topology, bias)
+
+
+torch.fx.wrap("_fx_sparse_linear")  # symbolic_trace records calls to it instead of tracing into it
 
 
 @torch.library.custom_op("snack::topology_index_data", mutates_args=())

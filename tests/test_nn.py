@@ -101,6 +101,26 @@ def test_torch_compile_fullgraph_matches_eager(compiled_first):
         torch.testing.assert_close(got, expected)
 
 
+def test_torch_fx_symbolic_trace_records_one_call_per_layer():
+    """FX-based tools (feature extractors, graph rewriters) trace into custom modules; the layer
+    records one call on its tensors, as nn.Linear records one call_module."""
+    layer = make_layer(12, 10, 0.7, empty_rows=(3,))
+    model = nn.Sequential(layer, nn.ReLU(), make_layer(4, 12, 0.5, bias=False))
+    traced = torch.fx.symbolic_trace(model)
+    calls = [node for node in traced.graph.nodes if node.op == "call_function"]
+    assert len(calls) == 2 and all("fx_sparse_linear" in str(node.target) for node in calls)
+    for shape in ((5, 10), (1, 10), (2, 3, 10)):
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        torch.testing.assert_close(traced(x), model(x))
+    x = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
+    y = model[0](x)
+    grad_out = torch.randn_like(y)
+    expected = dense_forward_and_grads(layer, x, grad_out)
+    got = torch.autograd.grad(torch.fx.symbolic_trace(model[0])(x), (x, layer.values, layer.bias), grad_out)
+    for got_grad, expected_grad in zip(got, expected[1:]):
+        torch.testing.assert_close(got_grad, expected_grad)
+
+
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the layer's input-shape check
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_torch_jit_trace_matches_eager_and_saves(tmp_path):
