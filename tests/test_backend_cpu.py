@@ -402,6 +402,8 @@ def test_16_bit_columns_follow_in_place_changes():
         (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(2), t.rowptr, t.col), "same length"),
         (lambda t: torch.ops.snack_cpu.spmm_t(torch.randn(2, 5), torch.randn(3), t.rowptr, t.col, 4), "shape"),
         (lambda t: torch.ops.snack_cpu.sddmm(torch.randn(2, 3), torch.randn(5, 4), t.rowptr, t.col), "batch"),
+        (lambda t: torch.ops.snack_cpu.sddmm(torch.randn(2, 5), torch.randn(2, 4), t.rowptr, t.col),
+         "dy must have shape \\(B, 3\\)"),
         (lambda t: torch.ops.snack_cpu.spmm_backward(torch.randn(2, 3), torch.randn(5, 4), torch.randn(3), t.rowptr,
                                                      t.col), "x \\(B, in\\)"),
         (lambda t: torch.ops.snack_cpu.spmm(torch.randn(2, 4), torch.randn(3), t.rowptr, t.col, torch.randn(4)),
@@ -411,7 +413,7 @@ def test_16_bit_columns_follow_in_place_changes():
         (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(2, 4), torch.randn(3), t.rowptr, t.col.short()), "\\(1, in\\)"),
         (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(1, 4), torch.randn(3), t.rowptr, t.col), "int16"),
     ],
-    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "fused-batch", "bias-shape", "u16-bias-dtype",
+    ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "sddmm-dy-shape", "fused-batch", "bias-shape", "u16-bias-dtype",
          "u16-batch", "u16-index-dtype"],
 )
 def test_native_ops_reject_bad_input(call, message):

@@ -644,7 +644,7 @@ void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* 
       if constexpr (W > 1) {
         // the random accumulator and x rows of a later non-zero, from L2 (~10% faster fused)
         if (k + kScatterPrefetch < last) {
-          const int64_t ahead = col[k + kScatterPrefetch] * W;
+          const int64_t ahead = static_cast<int64_t>(col[k + kScatterPrefetch]) * W;
           for (int64_t line = 0; line < W; line += 64 / sizeof(acc_t)) {
             __builtin_prefetch(buf + ahead + line, 1);
             if constexpr (kFused) __builtin_prefetch(xt + ahead + line, 0);
@@ -741,12 +741,14 @@ at::Tensor spmv_u16(const at::Tensor& x, const at::Tensor& values, const at::Ten
                     const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && x.size(1) <= 65536,
               "snack_cpu.spmv_u16: x must be a contiguous (1, in) CPU tensor with in <= 65536, got ", x.sizes());
-  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == x.scalar_type() && values.numel() == col16.numel(),
-              "snack_cpu.spmv_u16: values must be contiguous with x's dtype and one entry per column index");
-  TORCH_CHECK(rowptr.dim() == 1 && rowptr.is_contiguous() && rowptr.scalar_type() == at::kInt && rowptr.numel() >= 1,
-              "snack_cpu.spmv_u16: rowptr must be a contiguous 1-D int32 tensor of out_features + 1 entries");
-  TORCH_CHECK(col16.dim() == 1 && col16.is_contiguous() && col16.scalar_type() == at::kShort,
-              "snack_cpu.spmv_u16: col16 must be a contiguous 1-D int16 tensor");
+  TORCH_CHECK(values.device().is_cpu() && values.is_contiguous() && values.scalar_type() == x.scalar_type() &&
+                  values.numel() == col16.numel(),
+              "snack_cpu.spmv_u16: values must be a contiguous CPU tensor with x's dtype and one entry per column index");
+  TORCH_CHECK(rowptr.device().is_cpu() && rowptr.dim() == 1 && rowptr.is_contiguous() &&
+                  rowptr.scalar_type() == at::kInt && rowptr.numel() >= 1,
+              "snack_cpu.spmv_u16: rowptr must be a contiguous 1-D int32 CPU tensor of out_features + 1 entries");
+  TORCH_CHECK(col16.device().is_cpu() && col16.dim() == 1 && col16.is_contiguous() && col16.scalar_type() == at::kShort,
+              "snack_cpu.spmv_u16: col16 must be a contiguous 1-D int16 CPU tensor");
   const int64_t n_out = rowptr.numel() - 1;
   check_bias("spmv_u16", bias, x, n_out);
   at::Tensor out = at::empty({1, n_out}, x.options());
@@ -916,6 +918,8 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
   check_common("sddmm", dy, x, rowptr, col);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "snack_cpu.sddmm: x must be a contiguous 2-D tensor");
   TORCH_CHECK(dy.size(0) == x.size(0), "snack_cpu.sddmm: dy and x must have the same batch size");
+  TORCH_CHECK(dy.size(1) == rowptr.numel() - 1, "snack_cpu.sddmm: dy must have shape (B, ", rowptr.numel() - 1,
+              "), got ", dy.sizes());
   const int64_t B = dy.size(0), n_out = rowptr.numel() - 1, nnz = col.numel();
   at::Tensor out = at::empty({nnz}, dy.options());
   if (nnz == 0) return out;
