@@ -453,11 +453,11 @@ class SparseLinear(nn.Module):
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
-        if row.numel() == self.nnz and not (self.row.is_inference() or self.col.is_inference()):
+        if row.numel() == self.nnz and self._buffers_writable_in_place(local_metadata):
             # the same nnz: row/col are copied in place, as nn.Module copies every buffer and
-            # parameter (values, bias below), so whatever shares them follows the load (shared
-            # memory, a traced module); a forward in another thread meanwhile may read some new
-            # values or coordinates (the README's Limits)
+            # parameter (values, bias below), so whatever holds them follows the load (a traced
+            # or FX module); a forward in another thread meanwhile may read some new values or
+            # coordinates (the README's Limits)
             row = row.to(device=self.row.device, dtype=torch.int32)
             col = col.to(device=self.col.device, dtype=torch.int32)
             with _STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
@@ -478,6 +478,19 @@ class SparseLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
             self.row, self.col = self.row.to(torch.int32), self.col.to(torch.int32)
+
+    def _buffers_writable_in_place(self, local_metadata: dict) -> bool:
+        """Whether a load may copy into ``row``/``col``: not when ``nn.Module`` assigns the
+        state_dict's own tensors (``assign=True``: it replaces ``values`` too), nor into buffers a
+        copy cannot fill (inference tensors outside inference mode, expanded ones, ``row`` and
+        ``col`` in one storage)."""
+        row, col = self.row, self.col
+        return not (
+            local_metadata.get("assign_to_params_buffers", False)
+            or row.is_inference() or col.is_inference()
+            or not (row.is_contiguous() and col.is_contiguous())
+            or row.untyped_storage().data_ptr() == col.untyped_storage().data_ptr() and row.numel() > 0
+        )
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -513,7 +526,11 @@ def _topology_index_data(row: Tensor, col: Tensor, out_features: int, in_feature
     shape = (out_features, in_features)
 
     def build() -> Tensor:
-        topology = Topology(row, col, shape)  # validates: a program may hold any loaded coordinates
+        # validates (a program may hold any loaded coordinates), under the lock a same-nnz
+        # load_state_dict holds while it copies into the layer's row/col, whose tensors a traced
+        # program holds: never a half-copied state (it raised spurious "not sorted" errors)
+        with _STATE_LOCK:
+            topology = Topology(row, col, shape)
         return torch.cat([topology.rowptr, topology.colptr, topology.csc_perm])
 
     # the shape is part of the key: one row/col pair may serve layers of other shapes
@@ -602,13 +619,17 @@ def _data_swap(param: nn.Parameter, data: Tensor) -> Tensor | None:
 def _replace_data(param: nn.Parameter, data: Tensor, swap: Tensor | None) -> None:
     """Give ``param`` new data, possibly of another size, keeping the Parameter object (which
     optimizers hold) and dropping its now meaningless ``.grad``. ``swap``: :func:`_data_swap`'s."""
+    # a Parameter made under inference mode has no version counter (nor a graph to protect), and
+    # keeps none when given normal data
+    counted = not param.is_inference()
     with torch.no_grad():
         if swap is not None:
             param.data = swap
         param.data = data
     # assigning .data keeps the version counter: bump it, so a graph recorded with the old
     # connections fails its saved-tensor check instead of back-propagating into the new ones
-    torch.autograd.graph.increment_version(param)
+    if counted:
+        torch.autograd.graph.increment_version(param)
     param.grad = None
 
 

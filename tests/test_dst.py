@@ -338,7 +338,9 @@ def test_numpy_numbers_are_accepted_as_arguments():
     np = pytest.importorskip("numpy")
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    dst = snack.dst.SET(model, opt, drop_fraction=np.float32(0.25), update_every=np.int64(2), total_steps=np.int64(10))
+    dst = snack.dst.SET(model, opt, drop_fraction=np.float32(0.25), update_every=np.int64(2), total_steps=np.int64(10),
+                        seed=np.int64(3))  # fmt: skip
+    assert torch.equal(dst.generator.get_state(), torch.Generator().manual_seed(3).get_state())
     assert dst.state_dict()["config"]["total_steps"] == 10 and type(dst.state_dict()["config"]["total_steps"]) is int
     snack.dst.GradualPruning(model, opt, final_sparsity=np.float32(0.9), start_step=np.int64(0), end_step=np.int64(10))
 

@@ -177,7 +177,7 @@ class DynamicSparsity:
         check_optimizer(optimizer, {name: layer.values for name, layer in self.layers}, hint=hint)
         self.optimizer = optimizer
         self.seed = _check_seed(seed)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
         self.step_count = 0
         self._capture = GradientCapture([layer for _, layer in self.layers]) if self.needs_gradient else None
 
