@@ -335,9 +335,9 @@ class SparseLinear(nn.Module):
                 f"SparseLinear(in_features={self.in_features}): input must have shape (*, {self.in_features}), "
                 f"got {tuple(input.shape)}"
             )
-        if input.device != self.values.device:
-            raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {self.values.device}")
         values, bias, topology = self._consistent_state()
+        if input.device != values.device:
+            raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {values.device}")
         if torch._C._get_tracing_state() is None and (  # torch.jit.trace sees nnz as a tensor: a TracerWarning
             values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,))
         ):

@@ -76,10 +76,14 @@ def _device_kernel(op_name: str):
     def kernel(a: Tensor, b: Tensor, *topology: Tensor) -> Tensor:
         topo = TopologyTensors(*topology)
         _check(op_name, a, b, topo)
-        backend = backends.resolve(a.device)
-        return getattr(backend, op_name)(a.contiguous(), b.contiguous(), topo)
+        return _run_backend(op_name, a, b, topo)
 
     return kernel
+
+
+def _run_backend(op_name: str, a: Tensor, b: Tensor, topo: TopologyTensors) -> Tensor:
+    """``op_name`` on the backend for ``a``'s device, on inputs already checked."""
+    return getattr(backends.resolve(a.device), op_name)(a.contiguous(), b.contiguous(), topo)
 
 
 def _linear_kernel(x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
@@ -224,11 +228,15 @@ def _spmm_grads(
     if torch.is_grad_enabled():
         direct = False
     elif need_x and need_values:
-        fused = _spmm_backward_kernel if direct else torch.ops.snack.spmm_backward
-        return fused(grad, x, values, *topo)
-    spmm_t_fn, sddmm_fn = (_spmm_t_kernel, _sddmm_kernel) if direct else (torch.ops.snack.spmm_t, torch.ops.snack.sddmm)
-    dx = spmm_t_fn(grad, values, *topo) if need_x else None
-    dvalues = sddmm_fn(grad, x, *topo) if need_values else None
+        if direct:
+            return _backward_kernels(grad, x, values, topo, bias_grad=False)
+        return torch.ops.snack.spmm_backward(grad, x, values, *topo)
+    if direct:  # checked by the forward: every check is host time a small layer's step pays again
+        dx = _run_backend("spmm_t", grad, values, topo) if need_x else None
+        dvalues = _run_backend("sddmm", grad, x, topo) if need_values else None
+    else:
+        dx = torch.ops.snack.spmm_t(grad, values, *topo) if need_x else None
+        dvalues = torch.ops.snack.sddmm(grad, x, *topo) if need_values else None
     return dx, dvalues
 
 
@@ -323,8 +331,8 @@ class _SparseLinearFunction(torch.autograd.Function):
     The custom ops' Python wrappers (``torch.library``) cost about 30 µs per call, 80 µs with
     autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
     step at 99% sparsity. This one autograd node runs the same backend kernels on inputs
-    :func:`sparse_linear` has checked, for a fraction of that (a 64×64 training step: 113 µs,
-    ``nn.Linear`` 94 µs). Tracing (``torch.compile``) uses the custom ops, which have fake
+    :func:`sparse_linear` has checked, for a fraction of that (a 64×64 training step: about
+    155 µs, ``nn.Linear`` about 110 µs, one thread; the README's Limits). Tracing (``torch.compile``) uses the custom ops, which have fake
     implementations.
     """
 
