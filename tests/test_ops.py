@@ -131,9 +131,9 @@ def test_arguments_of_the_wrong_type_are_named():
     for op, args in (("spmm", (x, values)), ("spmm_t", (dy, values)), ("sddmm", (dy, x))):
         with pytest.raises(TypeError, match=f"snack.ops.{op}: topology must be a snack.Topology .*, got tuple"):
             getattr(snack.ops, op)(*args, (topo.row, topo.col))
-    with pytest.raises(TypeError, match="snack.sparse_linear: x must be a Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="snack.ops.sparse_linear: x must be a Tensor, got ndarray"):
         snack.ops.sparse_linear(x.numpy(), values, topo)
-    with pytest.raises(TypeError, match="snack.sparse_linear: topology must be a snack.Topology"):
+    with pytest.raises(TypeError, match="snack.ops.sparse_linear: topology must be a snack.Topology"):
         snack.ops.sparse_linear(x, values, None)
 
 

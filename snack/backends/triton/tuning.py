@@ -7,7 +7,7 @@ Configs
     with a pipelined loop) × ``num_warps`` ∈ {1, …, 8} (key: ``BLOCK_B`` and the kernel's flags),
     pruned to tiles of at most 2048 elements with 2–16 per thread, which keep every lane busy
     without spilling registers (:func:`tile_configs_for`): 6 to 15 configs per batch tile
-    (patches: 4 to 25). The first H200 run's configs gave a 128-thread program a 32- or 64-wide
+    (patches: 4 to 26). The first H200 run's configs gave a 128-thread program a 32- or 64-wide
     tile at batch 1, leaving half its lanes idle. A sweep on the H200 (95%, 4096²) found the
     fastest pointer tiles well inside this space: 1-warp programs, with ``BLOCK_K`` 32 at batch 8
     and 4-16 at batch 16-64 (B=16: 11.2 µs against 16.3 µs for the best of the earlier space).
