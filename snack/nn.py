@@ -327,7 +327,8 @@ class SparseLinear(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, torch.fx.Proxy):  # torch.fx.symbolic_trace: record one call
-            return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, self.out_features, self.in_features)
+            shape = (self.out_features, self.in_features)
+            return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
         if not isinstance(input, Tensor):
             raise TypeError(f"SparseLinear expects a Tensor input, got {type(input).__name__}")
         if input.dim() == 0 or input.shape[-1] != self.in_features:
