@@ -53,25 +53,37 @@ def operands(op: str, topo: Topology, batch: int, dtype: torch.dtype, generator:
 
 
 def reference_op(op: str, *args):
-    """The reference result(s) of ``op`` as a tuple; the fused backward is spmm_t and sddmm."""
+    """The reference result(s) of ``op`` as a tuple; the fused backward is spmm_t and sddmm, and
+    with the bias gradient (``bias_grad=True``) also Σ_b dy."""
     if op == "spmm_backward":
         dy, x, values, topo = args
-        return reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo)
+        return reference.spmm_t(dy, values, topo), reference.sddmm(dy, x, topo), dy.sum(0)
     return (getattr(reference, op)(*args),)
+
+
+def native_op(op: str, *args):
+    """``cpu.<op>(*args)`` as a tuple, the fused backward with its bias gradient (as ``reference_op``)."""
+    if op == "spmm_backward":
+        return cpu.spmm_backward(*args, bias_grad=True)
+    return (getattr(cpu, op)(*args),)
 
 
 def assert_matches_reference(op: str, topo: Topology, batch: int, dtype: torch.dtype, seed: int = 0) -> None:
     inputs = operands(op, topo, batch, dtype, torch.Generator().manual_seed(seed))
     tensors = topo.tensors()
-    got = getattr(cpu, op)(*inputs, tensors)
-    got = got if isinstance(got, tuple) else (got,)
     # the oracle runs in float64 from the same (rounded) inputs
     expected = reference_op(op, *(t.double() for t in inputs), tensors)
+    if op == "spmm_backward":  # with and without the bias gradient (summed while packing dy's tiles)
+        with_bias = cpu.spmm_backward(*inputs, tensors, bias_grad=True)
+        runs = [(with_bias, expected), (cpu.spmm_backward(*inputs, tensors), expected[:2])]
+    else:
+        runs = [(native_op(op, *inputs, tensors), expected)]
     rtol, atol = TOLERANCE[dtype]
-    for g, e in zip(got, expected, strict=True):
-        assert g.dtype == dtype
-        assert g.shape == e.shape
-        torch.testing.assert_close(g.double(), e, rtol=rtol, atol=atol)
+    for got, wanted in runs:
+        for g, e in zip(got, wanted, strict=True):
+            assert g.dtype == dtype
+            assert g.shape == e.shape
+            torch.testing.assert_close(g.double(), e, rtol=rtol, atol=atol)
 
 
 def random_topology(out_features: int, in_features: int, sparsity: float, seed: int = 0) -> Topology:
@@ -110,8 +122,11 @@ def test_ops_dispatch_to_native_kernels(monkeypatch):
 # 16, 32 and 64 fill whole 512-bit vectors; 3, 70 and 130 leave partial tiles
 @pytest.mark.parametrize("batch", [1, 3, 8, 16, 32, 64, 70, 130])
 def test_kernels_match_reference(op, dtype, batch, threads):
-    # 300 × 200 at 50%: enough work that two threads really split it; 130 spans several tiles
-    assert_matches_reference(op, random_topology(300, 200, 0.5), batch, dtype)
+    # 400 × 200 at 50%: enough work that two threads really split it, also at batch 1 (the
+    # kernels run serially below 2^15 multiply-adds); 130 spans several tiles
+    topo = random_topology(400, 200, 0.5)
+    assert topo.nnz >= 1 << 15
+    assert_matches_reference(op, topo, batch, dtype)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -193,9 +208,9 @@ def test_a_weight_without_rows_or_columns(op, threads):
         inputs = {"spmm": ("x", "values"), "spmm_t": ("dy", "values"), "sddmm": ("dy", "x"),
                   "spmm_backward": ("dy", "x", "values")}[op]
         args = [dense[name] for name in inputs]
-        got = getattr(cpu, op)(*args, topo)
-        for g, e in zip(got if isinstance(got, tuple) else (got,), reference_op(op, *args, topo), strict=True):
-            assert g.shape == e.shape and not g.any()
+        for g, e in zip(native_op(op, *args, topo), reference_op(op, *args, topo), strict=True):
+            assert g.shape == e.shape
+            torch.testing.assert_close(g, e)  # zeros, but the bias gradient Σ_b dy when there are rows
 
 
 def test_non_contiguous_coordinates_work_at_every_batch():
@@ -243,9 +258,7 @@ def test_a_failed_scratch_allocation_leaves_the_kernels_usable():
 def test_empty_batch(op):
     topo = random_topology(5, 7, 0.5)
     inputs = operands(op, topo, 0, torch.float32, torch.Generator().manual_seed(0))
-    got = getattr(cpu, op)(*inputs, topo.tensors())
-    got = got if isinstance(got, tuple) else (got,)
-    for g, e in zip(got, reference_op(op, *inputs, topo.tensors()), strict=True):
+    for g, e in zip(native_op(op, *inputs, topo.tensors()), reference_op(op, *inputs, topo.tensors()), strict=True):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e)
 
@@ -345,7 +358,7 @@ def test_spmm_adds_the_bias_in_the_kernel(batch, dtype, threads):
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("batch", [1, 7, 40])
+@pytest.mark.parametrize("batch", [1, 7, 40, 70, 130])  # 70 and 130 span several batch tiles
 def test_fused_backward_also_returns_the_bias_gradient(batch, threads):
     topo = random_topology(21, 30, 0.6)
     dy, x = torch.randn(batch, 21, dtype=torch.float64), torch.randn(batch, 30, dtype=torch.float64)

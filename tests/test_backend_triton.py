@@ -280,6 +280,29 @@ def test_half_precision_accumulates_in_fp32(dtype, case, batch):
     torch.testing.assert_close(dbias.float(), dy32.sum(0), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_long_sums_accumulate_in_fp32(dtype):
+    """Sums of 1,024 terms (of magnitude up to about 70): fp32 accumulation leaves only the
+    output's rounding; sums rounded to the half type after every term (emulated) were 0.39
+    (float16) and 3.5 (bfloat16) off, beyond these tolerances."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    tolerance = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 0.05 if dtype == torch.float16 else 0.3}
+    for shape, op, batch in (((4, 1024), "spmm", 2), ((1024, 4), "spmm_t", 2), ((4, 4), "sddmm", 1024)):
+        row, col = random_coo(*shape, 0.0, generator=generator)
+        topo = Topology(row, col, shape)
+        a = randn(batch, shape[1] if op == "spmm" else shape[0])
+        b = randn(batch, shape[1]) if op == "sddmm" else randn(topo.nnz)
+        expected = getattr(reference, op)(a.float(), b.float(), topo)
+        for form in tb.FORMS:
+            got = getattr(tb, op)(a, b, topo, form=form)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
 def test_form_heuristic():
     # many output rows fill the GPU with pointer programs; a narrow layer needs the segment form
     for batch in (1, 16, 64, 1000):

@@ -240,22 +240,38 @@ def test_optimizer_state_is_remapped(make_opt, keys):
     opt.load_state_dict(opt.state_dict())  # still a valid optimizer state_dict
 
 
-def test_optimizer_state_of_kept_connections_is_copied_exactly():
+@pytest.mark.parametrize(
+    "make_opt, fresh",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), {"momentum_buffer": 0.0}),
+        (lambda p: torch.optim.Adam(p, lr=1e-2), {"exp_avg": 0.0, "exp_avg_sq": 0.0}),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True), {"exp_avg": 0.0, "exp_avg_sq": 0.0,
+                                                                 "max_exp_avg_sq": 0.0}),
+        (lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.25), {"sum": 0.25}),
+        (lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
+         {"square_avg": 0.0, "momentum_buffer": 0.0, "grad_avg": 0.0}),
+    ],
+    ids=["sgd-momentum", "adam", "adamw-amsgrad", "adagrad", "rmsprop"],
+)
+def test_optimizer_state_of_kept_connections_is_copied_exactly(make_opt, fresh):
     layer = snack.SparseLinear(10, 8, sparsity=0.6)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
-    layer(torch.randn(4, 10)).pow(2).sum().backward()
-    opt.step()
+    opt = make_opt(layer.parameters())
+    for _ in range(2):
+        layer(torch.randn(4, 10)).pow(2).sum().backward()
+        opt.step()
     old_key = linear_index(layer.topology).tolist()
-    old = {n: dict(zip(old_key, opt.state[layer.values][n].tolist())) for n in ("exp_avg", "exp_avg_sq")}
-    step = opt.state[layer.values]["step"]
+    old = {n: dict(zip(old_key, opt.state[layer.values][n].tolist())) for n in fresh}
+    step = opt.state[layer.values].get("step")
     drop = torch.tensor([1, 2, 7])
     grow = snack.dst.random_grow(layer.topology, 3, torch.Generator().manual_seed(0))
     snack.dst.rewire(layer, opt, drop, grow)
     new_key = linear_index(layer.topology).tolist()
-    for n in ("exp_avg", "exp_avg_sq"):
+    grown = set(grow.tolist())
+    for n, start in fresh.items():
+        assert len(opt.state[layer.values][n]) == len(new_key)
         for p, v in zip(new_key, opt.state[layer.values][n].tolist()):
-            assert v == (0.0 if p in set(grow.tolist()) else old[n][p])
-    assert opt.state[layer.values]["step"] is step
+            assert v == (start if p in grown else old[n][p]), (n, p)
+    assert opt.state[layer.values].get("step") is step
 
 
 def _run(seed, algorithm=snack.dst.SET, steps=30):

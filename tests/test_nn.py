@@ -41,10 +41,52 @@ def test_forward_and_gradients_match_dense(shape, sparsity, batch):
     _check_against_dense(layer, torch.randn(batch, shape[1], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("frozen", ["bias", "no-bias", "values", "values-and-bias"])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_each_gradient_the_step_needs_matches_dense(frozen, batch):
+    """The eager backward takes another path for every set of gradients it must return (the
+    fused one with the bias, without it, one op alone): each against dense math."""
+    layer = make_layer(13, 17, 0.6, bias=frozen != "no-bias")
+    if frozen in ("bias", "values-and-bias"):
+        layer.bias.requires_grad_(False)
+    if frozen in ("values", "values-and-bias"):
+        layer.values.requires_grad_(False)
+    x = torch.randn(batch, 17, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    grad_out = torch.randn_like(y)
+    wanted = [x] + [p for p in (layer.values, layer.bias) if p is not None and p.requires_grad]
+    got = torch.autograd.grad(y, wanted, grad_out)
+    y_ref, dx_ref, dvalues_ref, dbias_ref = dense_forward_and_grads(layer, x, grad_out)
+    expected = [dx_ref] + [g for p, g in ((layer.values, dvalues_ref), (layer.bias, dbias_ref))
+                           if p is not None and p.requires_grad]
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-10)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
+    inputs = (x,) + tuple(p for p in (layer.values, layer.bias) if p is not None and p.requires_grad)
+    assert torch.autograd.gradcheck(lambda *_: layer(x), inputs)
+
+
 def test_empty_rows_and_columns():
     layer = make_layer(12, 10, 0.3, empty_rows=(0, 5, 11), empty_cols=(2, 9))
     assert layer.topology.rowptr[1] == 0  # row 0 really is empty
     _check_against_dense(layer, torch.randn(4, 10, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # batch 1 runs the 16-bit-column forward
+@pytest.mark.parametrize("case", ["empty-rows-and-columns", "no-connections", "odd-shape"])
+def test_gradcheck_through_the_layer_at_the_edges(case, batch):
+    empty = torch.empty(0, dtype=torch.int32)
+    layer = {
+        "empty-rows-and-columns": lambda: make_layer(7, 6, 0.3, empty_rows=(0, 3, 6), empty_cols=(1, 5)),
+        "no-connections": lambda: SparseLinear.from_coo(
+            empty, empty, torch.empty(0, dtype=torch.float64), (5, 4), bias=torch.randn(5, dtype=torch.float64)
+        ),
+        "odd-shape": lambda: make_layer(1, 13, 0.5),
+    }[case]()
+    x = torch.randn(batch, layer.in_features, dtype=torch.float64, requires_grad=True)
+    inputs = (x, layer.values, layer.bias)
+    assert torch.autograd.gradcheck(lambda *_: layer(x), inputs)
+    assert torch.autograd.gradgradcheck(lambda *_: layer(x), inputs)
 
 
 def test_no_connections_at_all():
