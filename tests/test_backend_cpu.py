@@ -386,14 +386,21 @@ def test_batch_one_reads_16_bit_columns_up_to_65536():
     torch.testing.assert_close(cpu.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
 
 
-def test_layers_built_under_inference_mode():
+def test_layers_built_under_inference_mode(monkeypatch):
     # inference tensors have no version counter: batch 1 takes the 32-bit kernel instead of the cache
+    narrowed = []
+    original = cpu.narrow_columns
+    monkeypatch.setattr(cpu, "narrow_columns", lambda col: narrowed.append(col) or original(col))
     with torch.inference_mode():
         layer = snack.SparseLinear(40, 30, sparsity=0.6)
         for batch in (1, 3):
             x = torch.randn(batch, 40)
             expected = reference.spmm(x, layer.values, layer.topology.tensors(), layer.bias)
             torch.testing.assert_close(layer(x), expected)
+    assert not narrowed
+    with torch.no_grad():  # a normal layer's batch 1 does read the 16-bit copy
+        snack.SparseLinear(40, 30, sparsity=0.6)(torch.randn(1, 40))
+    assert len(narrowed) == 1
 
 
 def test_16_bit_columns_follow_in_place_changes():
