@@ -54,15 +54,14 @@ def test_each_gradient_the_step_needs_matches_dense(frozen, batch):
     x = torch.randn(batch, 17, dtype=torch.float64, requires_grad=True)
     y = layer(x)
     grad_out = torch.randn_like(y)
-    wanted = [x] + [p for p in (layer.values, layer.bias) if p is not None and p.requires_grad]
-    got = torch.autograd.grad(y, wanted, grad_out)
     y_ref, dx_ref, dvalues_ref, dbias_ref = dense_forward_and_grads(layer, x, grad_out)
-    expected = [dx_ref] + [g for p, g in ((layer.values, dvalues_ref), (layer.bias, dbias_ref))
-                           if p is not None and p.requires_grad]
+    parameters = ((layer.values, dvalues_ref), (layer.bias, dbias_ref))
+    trained = [(p, g) for p, g in parameters if p is not None and p.requires_grad]
+    inputs = [x] + [p for p, _ in trained]
+    got = torch.autograd.grad(y, inputs, grad_out)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-10)
-    for g, e in zip(got, expected, strict=True):
+    for g, e in zip(got, [dx_ref] + [g for _, g in trained], strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
-    inputs = (x,) + tuple(p for p in (layer.values, layer.bias) if p is not None and p.requires_grad)
     assert torch.autograd.gradcheck(lambda *_: layer(x), inputs)
 
 
