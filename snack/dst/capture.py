@@ -36,7 +36,7 @@ class GradientCapture:
 
     def __init__(self, layers: list[SparseLinear]):
         self.layers = layers
-        self._handles: list = []
+        self._handles: list = []  # changed in place only: the finalizer holds this list
         self._records: list[list[list[Tensor | None]]] = [[] for _ in layers]
         self._remove_hooks_when_collected()
 
@@ -44,8 +44,7 @@ class GradientCapture:
         # The hooks hold this capture weakly: a DST object dropped while armed (a notebook cell
         # run again) must not leave hooks on the layers recording every later step. The finalizer
         # holds the handle list, not the capture.
-        self._handle_box: list = []
-        weakref.finalize(self, _remove_all, self._handle_box)
+        weakref.finalize(self, _remove_all, self._handles)
 
     @property
     def armed(self) -> bool:
@@ -56,11 +55,10 @@ class GradientCapture:
             self._register()
 
     def _register(self) -> None:
-        self._handles = [
+        self._handles[:] = [
             layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
             for i, layer in enumerate(self.layers)
         ]
-        self._handle_box[:] = self._handles
 
     def __setstate__(self, state: dict) -> None:
         # A copy (copy.deepcopy, pickle) of an armed capture, made with its layers: the layers'
@@ -70,20 +68,13 @@ class GradientCapture:
         self.__dict__.update(state)
         self._remove_hooks_when_collected()
         if self._handles:
-            for handle in self._handles:
-                handle.remove()
+            _remove_all(self._handles)
             self._register()
 
     def disarm(self) -> None:
         _remove_all(self._handles)
-        self._handles = []
-        self._handle_box.clear()
+        self._handles.clear()
         self.clear()
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        del state["_handle_box"]  # the finalizer's, re-made by __setstate__
-        return state
 
     def clear(self) -> None:
         self._records = [[] for _ in self.layers]
