@@ -106,8 +106,9 @@ class SparseLinear(nn.Module):
         self.register_buffer("col", col)
         self.values = nn.Parameter(values)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self._topology: Topology | None = None
-        self._topology_key: tuple | None = None  # what _topology was built from (see topology)
+        # what _topology was built from (see topology); both built now, for compiled code
+        self._topology: Topology | None = self._derived_topology(row, col)
+        self._topology_key: tuple | None = _buffers_key(row, col)
 
     # ------------------------------------------------------------------ constructors
 
@@ -301,7 +302,16 @@ class SparseLinear(nn.Module):
             )
         row, col = row.to(torch.int32, copy=copy), col.to(torch.int32, copy=copy)
         values = values.detach().clone() if copy else values.detach()
-        return _NewTopology(row, col, values, _data_swap(self.values, values))
+        return _NewTopology(row, col, values, _data_swap(self.values, values), self._derived_topology(row, col))
+
+    def _derived_topology(self, row: Tensor, col: Tensor) -> Topology:
+        """The topology of validated ``row``/``col`` with all its index data derived: what a
+        forward would build, built ahead by whatever installs them, so that compiled code finds
+        it cached (deriving it there broke the graph at every layer, and each layer's recompiles
+        soon hit Dynamo's limit)."""
+        topology = Topology(row, col, (self.out_features, self.in_features), validate=False)
+        topology.tensors()
+        return topology
 
     def _commit_topology(self, new: _NewTopology) -> None:
         """Install a prepared topology: only reference swaps, nothing that allocates, so a
@@ -309,7 +319,7 @@ class SparseLinear(nn.Module):
         with _STATE_LOCK:  # forwards in other threads see all of the change or none (_consistent_state)
             self.row, self.col = new.row, new.col
             _replace_data(self.values, new.values, new.swap)
-            self._topology = None
+            self._topology, self._topology_key = new.topology, _buffers_key(new.row, new.col)
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
@@ -326,12 +336,11 @@ class SparseLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, input: Tensor) -> Tensor:
-        if isinstance(input, torch.fx.Proxy):  # torch.fx.symbolic_trace: record one call
-            shape = (self.out_features, self.in_features)
-            return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
+        if _fx_symbolic_tracing():
+            return self._fx_forward(input)
         if not isinstance(input, Tensor):
             raise TypeError(f"SparseLinear expects a Tensor input, got {type(input).__name__}")
-        if input.dim() == 0 or input.shape[-1] != self.in_features:
+        if input.dim() == 0 or self._width_differs(input):
             raise ValueError(
                 f"SparseLinear(in_features={self.in_features}): input must have shape (*, {self.in_features}), "
                 f"got {tuple(input.shape)}"
@@ -351,7 +360,33 @@ class SparseLinear(nn.Module):
         if x.dtype != cast_values.dtype:
             under = " under autocast" if cast_values is not values else ""
             raise TypeError(f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}")
-        return _sparse_linear(x, cast_values, topology, bias)
+        return _sparse_linear(x, cast_values, topology, bias, values)
+
+    def _width_differs(self, input: Tensor) -> bool:
+        if torch._C._get_tracing_state() is None:
+            return input.shape[-1] != self.in_features
+        # torch.jit.trace records the width as a tensor, and warns that this check (which only
+        # raises, for the example input) is not in the trace; it need not be
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return bool(input.shape[-1] != self.in_features)
+
+    def _fx_forward(self, input):
+        """The forward ``torch.fx.symbolic_trace`` records: one ``call_module`` node, as for
+        ``nn.Linear`` (the program calls the layer itself, so its hooks run and it follows rewires),
+        or, for the traced root itself (or a layer the root does not hold), one call on its tensors."""
+        # the tracer, from the input or else (a buffer, a tensor made in forward) from the values,
+        # which tracing turns into a Proxy (a get_attr node, left unused then)
+        proxy = input if isinstance(input, torch.fx.Proxy) else self.values
+        tracer = proxy.tracer if isinstance(proxy, torch.fx.Proxy) else None
+        try:
+            path = tracer.path_of_module(self) if tracer is not None and tracer.root is not self else None
+        except NameError:
+            path = None
+        if path:
+            return tracer.create_proxy("call_module", path, (input,), {})
+        shape = (self.out_features, self.in_features)
+        return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
 
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
         """``(values, bias, topology)`` of one complete state of the layer, for a forward.
@@ -368,7 +403,12 @@ class SparseLinear(nn.Module):
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return self.values, self.bias, self.topology
         with _STATE_LOCK:
-            values, topology = self.values, self.topology
+            values = self.values
+            # the cached topology when it is current (what the topology property would return,
+            # without its checks for compiling and tracing, made above)
+            key, topology, buffers = self._topology_key, self._topology, self._buffers
+            if topology is None or not _built_from(key, buffers["row"], buffers["col"]):
+                topology = self.topology
             if not torch.is_grad_enabled() and not transforms_active():
                 values = values.detach()
         return values, self.bias, topology
@@ -406,8 +446,17 @@ class SparseLinear(nn.Module):
         ``nn.Module`` copy. ``row``, ``col`` and ``values`` load together or not at all (some of them
         without the others is an error, also with ``strict=False``); ``_extra_state`` (the shape
         check) is optional. On any error the layer is left untouched. Under
-        ``torch.inference_mode`` the new tensors are still normal ones (the layer must train)."""
-        with torch.inference_mode(False):
+        ``torch.inference_mode`` the new tensors are still normal ones (the layer must train),
+        except in a layer built there, whose inference tensors only load in inference mode (as
+        ``nn.Linear``'s: they take no in-place copy outside it)."""
+        inference_layer = any(p is not None and p.is_inference() for p in (self.values, self.bias))
+        if inference_layer and not torch.is_inference_mode_enabled():
+            error_msgs.append(
+                f"While loading SparseLinear {prefix or '(root)'}: its parameters are inference tensors (it was built "
+                "under torch.inference_mode), which can only be loaded under torch.inference_mode"
+            )
+            return
+        with torch.inference_mode(inference_layer):
             self._load_topology(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _load_topology(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -464,17 +513,18 @@ class SparseLinear(nn.Module):
             with _STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
                 self.row.copy_(row)
                 self.col.copy_(col)
-                self._topology = None
+                self._topology = self._derived_topology(self.row, self.col)
+                self._topology_key = _buffers_key(self.row, self.col)
         else:
             # another nnz: new tensors, the values filled before a forward in another thread can
             # see them, swapped under the lock (held only for that: nn.Module's copies and load
             # hooks run without it)
             values = values.detach().to(self.values, copy=True)
-            self._commit_topology(_NewTopology(
-                row.to(device=self.row.device, dtype=torch.int32, copy=True),
-                col.to(device=self.col.device, dtype=torch.int32, copy=True),
-                values, _data_swap(self.values, values),
-            ))  # fmt: skip
+            row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
+            col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
+            self._commit_topology(
+                _NewTopology(row, col, values, _data_swap(self.values, values), self._derived_topology(row, col))
+            )
         # row/col now match; nn.Module copies them again (cheap) and copies values and bias
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
@@ -516,6 +566,12 @@ def _fx_sparse_linear(
 
 
 torch.fx.wrap("_fx_sparse_linear")  # symbolic_trace records calls to it instead of tracing into it
+
+
+def _fx_symbolic_tracing() -> bool:
+    """Whether ``torch.fx.symbolic_trace`` runs (its flag is also set under ``torch.export``,
+    which compiles; torch 2.13's ``is_fx_symbolic_tracing``, read directly for older versions)."""
+    return torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
 
 
 @torch.library.custom_op("snack::topology_index_data", mutates_args=())
@@ -601,6 +657,7 @@ class _NewTopology(NamedTuple):
     col: Tensor  # (nnz',) int32
     values: Tensor  # (nnz',) the layer's dtype and device
     swap: Tensor | None  # what _replace_data assigns first (see _data_swap)
+    topology: Topology  # of row/col, its index data derived (compiled code then finds them cached)
 
 
 def _data_swap(param: nn.Parameter, data: Tensor) -> Tensor | None:
@@ -812,6 +869,7 @@ def sparsify(
             "layers to silence this warning.",
             stacklevel=2,
         )
+    _warn_about_what_sparsify_missed(modules, include, exclude, targets)
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
     converted = {}
@@ -826,6 +884,48 @@ def sparsify(
         _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
         converted.update(dict.fromkeys(names, layer))
     return _install(module, converted)
+
+
+def _warn_about_what_sparsify_missed(
+    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None, targets: dict
+) -> None:
+    """Warn where a sparsify call is likely not what its caller meant: a pattern that names no
+    module (``"fc*"`` for ``"0.fc"``), nothing to convert (e.g. a second call meant to raise the
+    sparsity), and layers of PyTorch's transformer layers, whose fast path reads ``.weight``."""
+    names = [name for _, all_names in modules.values() for name in all_names if name]
+    for option, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in patterns or ():
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                warnings.warn(
+                    f"sparsify: {option} pattern {pattern!r} matches no module name (names look like "
+                    f"{', '.join(repr(n) for n in names[:3])}; patterns match whole qualified names)",
+                    stacklevel=3,
+                )
+    if not targets:
+        sparse = sum(isinstance(child, SparseLinear) for child, _ in modules.values())
+        already = (
+            f"; its {sparse} SparseLinear layer(s) keep their sparsity (snack.dst.GradualPruning prunes further)"
+            if sparse else ""
+        )
+        selected = " selected by include/exclude" if include is not None or exclude is not None else ""
+        warnings.warn(
+            f"sparsify converted no layer: the model holds no nn.Linear{selected} that it may convert{already}",
+            stacklevel=3,
+        )
+    by_name = {name: child for child, all_names in modules.values() for name in all_names}
+    transformer_layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    in_transformer_layers = [
+        name for name, (_, layer_names, _, _) in targets.items()
+        if any(isinstance(by_name[n.rpartition(".")[0]], transformer_layers) for n in layer_names if n)
+    ]  # fmt: skip
+    if in_transformer_layers:
+        warnings.warn(
+            "sparsify converted layers of nn.TransformerEncoderLayer/DecoderLayer "
+            f"({', '.join(in_transformer_layers)}): "
+            "in eval mode their fast path reads linear1.weight, which a SparseLinear does not have; call "
+            "torch.backends.mha.set_fastpath_enabled(False) before evaluating",
+            stacklevel=3,
+        )
 
 
 def densify(module: nn.Module) -> nn.Module:

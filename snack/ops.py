@@ -339,25 +339,31 @@ class _SparseLinearFunction(torch.autograd.Function):
     # the old-style forward(ctx, ...): with a separate setup_context, apply() binds the arguments
     # through inspect.signature on every call (~40 µs)
     @staticmethod
-    def forward(ctx, x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
+    def forward(
+        ctx, x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors, cast_from: tuple[Tensor, ...]
+    ) -> Tensor:
         # values is saved even when dx is not needed: its version check makes a backward through
         # a graph recorded before the layer's connections changed (set_topology, load_state_dict)
-        # raise, rather than give the new connections the old ones' gradients
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values)
+        # raise, rather than give the new connections the old ones' gradients. Under autocast
+        # values is a cast, which a rewire leaves alone: cast_from, (the tensor it was cast
+        # from,) in a tuple that autograd does not take for an input, is saved for that check.
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, *cast_from)
         ctx.topo = topo
         ctx.forced = backends.forced_backend()  # the backward runs where the forward ran
         return _linear_kernel(x, values, bias, topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, values = ctx.saved_tensors
+        x, values = ctx.saved_tensors[:2]
+        if grad.layout != torch.strided:  # e.g. sparse grad_outputs, which the kernels do not take
+            grad = grad.to_dense()
         need_x, need_values, need_bias = ctx.needs_input_grad[:3]
         with backends.forcing(ctx.forced):
             if need_x and need_values and need_bias and not torch.is_grad_enabled():
                 # a training step's backward: all three gradients from one pass over the weight
-                return (*_backward_kernels(grad, x, values, ctx.topo, bias_grad=True), None)
+                return (*_backward_kernels(grad, x, values, ctx.topo, bias_grad=True), None, None)
             dx, dvalues = _spmm_grads(grad, x, values, ctx.topo, need_x, need_values, direct=True)
-        return dx, dvalues, grad.sum(0) if need_bias else None, None
+        return dx, dvalues, grad.sum(0) if need_bias else None, None, None
 
 
 def _check_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None) -> None:
@@ -394,6 +400,8 @@ def autocast_inputs(x: Tensor, values: Tensor, bias: Tensor | None) -> tuple[Ten
 def _autocast(device_type: str, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """``tensors``, each floating one but float64 in the autocast dtype of ``device_type`` when
     an autocast region for it is active; unchanged otherwise (and ``None`` stays ``None``)."""
+    if not torch._C._is_any_autocast_enabled():  # one flag read: every layer call asks
+        return tensors
     try:
         if not torch.is_autocast_enabled(device_type):
             return tensors
@@ -416,16 +424,24 @@ def sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | 
         if not isinstance(value, Tensor) and not (name == "bias" and value is None):
             raise TypeError(f"snack.ops.sparse_linear: {name} must be a Tensor, got {type(value).__name__}")
     _check_topology("snack.ops.sparse_linear", topology)
-    x, values, bias = autocast_inputs(x, values, bias)
-    _check_linear(x, values, topology, bias)
-    return _sparse_linear(x, values, topology, bias)
+    x, cast_values, bias = autocast_inputs(x, values, bias)
+    _check_linear(x, cast_values, topology, bias)
+    return _sparse_linear(x, cast_values, topology, bias, values)
 
 
-def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None) -> Tensor:
+def _sparse_linear(
+    x: Tensor, values: Tensor, topology: Topology, bias: Tensor | None, source: Tensor | None = None
+) -> Tensor:
     """:func:`sparse_linear` without its argument checks, for callers that guarantee them
-    (:class:`snack.SparseLinear` checks its input, and its own tensors are consistent)."""
+    (:class:`snack.SparseLinear` checks its input, and its own tensors are consistent).
+    ``source``: the tensor ``values`` was cast from under autocast (an eager backward checks that
+    it did not change since, as it checks ``values`` itself)."""
     out_features, in_features = topology.shape
-    compiling = torch.compiler.is_compiling()  # torch.compile, torch.export
+    # torch.compile, torch.export, and shape propagation in a FakeTensorMode (FakeTensorProp): the
+    # custom ops, which have fake kernels
+    compiling = (
+        torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    )
     tracing = not compiling and torch._C._get_tracing_state() is not None  # torch.jit.trace
     # the batch size spelled out: reshape(-1, in) cannot infer it for an empty batch inside vmap
     x2d = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), in_features)
@@ -438,7 +454,8 @@ def _sparse_linear(x: Tensor, values: Tensor, topology: Topology, bias: Tensor |
         if bias is not None:
             y = y + bias
     elif torch.is_grad_enabled() and (x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)):
-        y = _SparseLinearFunction.apply(x2d, values, bias, topology.tensors())
+        cast_from = (source,) if source is not None and source is not values else ()
+        y = _SparseLinearFunction.apply(x2d, values, bias, topology.tensors(), cast_from)
     else:  # inference: no autograd node needed
         y = _linear_kernel(x2d, values, bias, topology.tensors())
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)

@@ -316,12 +316,13 @@ class Topology:
             coordinates produced by this module.
     """
 
-    __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr")
+    __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr", "_tensors")
 
     def __init__(self, row: Tensor, col: Tensor, shape: tuple[int, int], *, validate: bool = True):
         shape = check_shape_pair(shape)
         if validate:
-            validate_coo(row, col, shape)
+            with _outside_fake_mode():  # it reads values (e.g. FakeTensorProp running a layer)
+                validate_coo(row, col, shape)
         # contiguous, as the native kernels need (no copy when they already are, as a layer's are)
         self.row = _derived(lambda: row.to(INDEX_DTYPE).contiguous())
         self.col = _derived(lambda: col.to(INDEX_DTYPE).contiguous())
@@ -329,6 +330,7 @@ class Topology:
         self._rowptr: Tensor | None = None
         self._csc_perm: Tensor | None = None
         self._colptr: Tensor | None = None
+        self._tensors: TopologyTensors | None = None
 
     @classmethod
     def with_index_data(
@@ -375,7 +377,9 @@ class Topology:
 
     def tensors(self) -> TopologyTensors:
         """All index tensors the sparse ops take, deriving the missing ones."""
-        return TopologyTensors(self.row, self.col, self.rowptr, self.colptr, self.csc_perm)
+        if self._tensors is None:  # built once: every layer call asks for them
+            self._tensors = TopologyTensors(self.row, self.col, self.rowptr, self.colptr, self.csc_perm)
+        return self._tensors
 
     def to(self, device: torch.device | str) -> Topology:
         """The same coordinates on ``device`` (derived data is recomputed there on demand)."""
@@ -388,10 +392,11 @@ class Topology:
 
 
 def _derived(build) -> Tensor:
-    """``build()``, as a normal tensor even inside ``torch.inference_mode`` or a ``torch.func``
-    transform: the cache outlives the region. A later training step must be able to save it for
-    backward (an inference tensor cannot be), and a later transform must not meet a tensor
-    wrapped for one that has ended (PyTorch fails an internal assert)."""
+    """``build()``, as a normal tensor even inside ``torch.inference_mode``, a ``torch.func``
+    transform or a ``FakeTensorMode``: the cache outlives the region. A later training step must
+    be able to save it for backward (an inference tensor cannot be), a later transform must not
+    meet a tensor wrapped for one that has ended (PyTorch fails an internal assert), and a later
+    kernel needs real indices."""
     # (Dynamo cannot trace is_inference_mode_enabled(); a traced region is not in inference mode.)
     if torch.compiler.is_compiling():
         return build()
@@ -400,7 +405,18 @@ def _derived(build) -> Tensor:
             regions.enter_context(torch.inference_mode(False))
         if torch._C._are_functorch_transforms_active():
             regions.enter_context(torch._C._DisableFuncTorch())
+        regions.enter_context(_outside_fake_mode())
         return build()
+
+
+def _outside_fake_mode() -> contextlib.AbstractContextManager:
+    """A region computing with real tensors, also inside a ``FakeTensorMode`` (which shape
+    propagation such as ``FakeTensorProp`` runs a layer in)."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def _pointer(index: Tensor, size: int) -> Tensor:
