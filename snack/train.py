@@ -19,6 +19,7 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -147,10 +148,12 @@ class _Run:
         self.dst = None
         if algorithm in ("rigl", "set"):
             cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
-            self.dst = cls(
-                model, self.optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
-                total_steps=total_steps, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
-            )
+            with warnings.catch_warnings():  # "will never change the topology": run() has said so
+                warnings.filterwarnings("ignore", "(RigL|SET) will never change", UserWarning)
+                self.dst = cls(
+                    model, self.optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
+                    total_steps=total_steps, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
+                )
         self.step_seconds: list[float] = []
         self.updates = 0
 
@@ -180,7 +183,7 @@ def train_models(
     """
     n = len(data.y_train)
     total_steps = math.ceil(n / args.batch_size) * args.epochs
-    if any(algorithm in ("rigl", "set") for _, _, algorithm in models) and args.drop_fraction > 0:
+    if any(algorithm in ("rigl", "set") for _, _, algorithm in models):
         _note_if_no_update(args.update_every, args.drop_fraction, total_steps)
     for _, model, _ in models:
         # untimed warm-up: loads kernel libraries and touches first-use memory; leaves no state
@@ -217,14 +220,9 @@ def train_models(
 
 def _note_if_no_update(update_every: int, drop_fraction: float, total_steps: int) -> None:
     """Say so when the schedule the DST objects get (cosine, the default) changes nothing."""
-    schedule = snack.dst.DropSchedule(drop_fraction, update_every, total_steps, DST_STOP_FRACTION, "cosine")
-    steps = range(update_every, schedule.end_step + 1, update_every)
-    if any(schedule.fraction(step) > 0 for step in steps):
-        return
-    why = f"updates stop after step {schedule.end_step} of {total_steps}"
-    if steps:  # only the last step, where the cosine decay ends
-        why += f", and step {schedule.end_step}, the only update step, has a drop fraction of 0"
-    print(f"note: --update-every {update_every} leaves no topology update: {why}", file=sys.stderr)
+    why = snack.dst.DropSchedule(drop_fraction, update_every, total_steps, DST_STOP_FRACTION, "cosine").why_static()
+    if why is not None:
+        print(f"note: --update-every {update_every} leaves no topology update: {why}", file=sys.stderr)
 
 
 def _progress(total: int, disable: bool):

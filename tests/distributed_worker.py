@@ -79,7 +79,7 @@ def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor
 def different_seeds(rank: int) -> str:
     net = model()
     try:
-        snack.dst.SET(net, torch.optim.SGD(net.parameters(), lr=0.1), total_steps=10, seed=rank)
+        snack.dst.SET(net, torch.optim.SGD(net.parameters(), lr=0.1), total_steps=1000, seed=rank)
     except ValueError as error:
         return str(error)
     return "no error"
@@ -99,7 +99,7 @@ def a_bad_argument_on_one_rank(rank: int) -> str:
     would raise on rank 1 only, and leave rank 0 waiting)."""
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    return failure(lambda: snack.dst.SET(net, optimizer, total_steps=10, drop_fraction=1.5 if rank else 0.3))
+    return failure(lambda: snack.dst.SET(net, optimizer, total_steps=1000, drop_fraction=1.5 if rank else 0.3))
 
 
 def an_update_failing_on_one_rank(rank: int) -> dict:
@@ -143,7 +143,7 @@ def groups(rank: int) -> dict:
     only_rank_0 = dist.new_group([0])
     result = {"not_a_member": "skipped on rank 0"}
     if rank == 1:
-        set_up = lambda: snack.dst.SET(net, optimizer, total_steps=10, process_group=only_rank_0)  # noqa: E731
+        set_up = lambda: snack.dst.SET(net, optimizer, total_steps=1000, process_group=only_rank_0)  # noqa: E731
         result["not_a_member"] = failure(set_up)
     if rank == 0:
         alone = snack.dst.SET(net, optimizer, update_every=1, total_steps=10, process_group=False)

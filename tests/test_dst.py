@@ -3,6 +3,7 @@
 import copy
 import gc
 import io
+import re
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 import snack
 from conftest import check_topology_invariants
 from snack.dst.prune_grow import linear_index
+from snack.topology import random_coo
 
 
 def _model(seed=0, sparsity=0.8):
@@ -321,11 +323,11 @@ def test_resume_from_checkpoint_is_bitwise_identical(algorithm):
 def test_load_state_dict_rejects_another_configuration():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = snack.dst.SET(model, opt, total_steps=100).state_dict()
+    state = snack.dst.SET(model, opt, update_every=10, total_steps=100).state_dict()
     with pytest.raises(ValueError, match="config"):
-        snack.dst.SET(model, opt, total_steps=200).load_state_dict(state)
+        snack.dst.SET(model, opt, update_every=10, total_steps=200).load_state_dict(state)
     with pytest.raises(ValueError, match="algorithm"):
-        snack.dst.RigL(model, opt, total_steps=100).load_state_dict(state)
+        snack.dst.RigL(model, opt, update_every=10, total_steps=100).load_state_dict(state)
 
 
 @pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning])
@@ -333,7 +335,7 @@ def test_load_state_dict_rejects_malformed_states_naming_what_is_wrong(algorithm
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gradual = {"final_sparsity": 0.9, "start_step": 0, "end_step": 100}
-    options = gradual if algorithm is snack.dst.GradualPruning else {"total_steps": 100}
+    options = gradual if algorithm is snack.dst.GradualPruning else {"total_steps": 1000}
     dst = algorithm(model, opt, **options)
     state = dst.state_dict()
     before = copy.deepcopy(state)
@@ -361,22 +363,35 @@ def test_numpy_numbers_are_accepted_as_arguments():
     snack.dst.GradualPruning(model, opt, final_sparsity=np.float32(0.9), start_step=np.int64(0), end_step=np.int64(10))
 
 
+class _ListHistorySGD(torch.optim.SGD):
+    """SGD that also keeps per-element tensors inside a list (as LBFGS's history does)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("history", []).append(p.detach().clone())
+        return super().step(closure)
+
+
 def test_an_optimizer_keeping_tensors_in_lists_is_refused():
-    # LBFGS's history (old_dirs, old_stps) is per element but inside lists: a remap would miss it
-    layer = snack.SparseLinear(6, 4, bias=False, sparsity=0.5)  # LBFGS flattens all its parameters into one
-    opt = torch.optim.LBFGS(layer.parameters(), history_size=3)
-    x = torch.randn(5, 6)
+    # per-element state inside a list: a remap would miss it and leave it in the old order
+    layer = snack.SparseLinear(6, 4, bias=False, sparsity=0.5)
+    opt = _ListHistorySGD(layer.parameters(), lr=0.1)
+    layer(torch.randn(5, 6)).square().sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="'history'.*inside a list"):
+        snack.dst.SET(layer, opt, total_steps=1000)
 
-    def closure():
-        opt.zero_grad()
-        loss = layer(x).square().sum()
-        loss.backward()
-        return loss
 
-    for _ in range(2):
-        opt.step(closure)
-    with pytest.raises(ValueError, match="'old_dirs'.*inside a list"):
-        snack.dst.SET(layer, opt, total_steps=10)
+@pytest.mark.parametrize("dense_first", [False, True])
+def test_lbfgs_is_refused(dense_first):
+    # LBFGS keeps one history of all parameters flattened together, in the state of the first
+    # parameter only: with a dense layer first, no check of the sparse layer's state saw it
+    sparse = snack.SparseLinear(6, 4, bias=False, sparsity=0.5)
+    model = nn.Sequential(nn.Linear(6, 6), sparse) if dense_first else nn.Sequential(sparse)
+    opt = torch.optim.LBFGS(model.parameters(), history_size=3)
+    with pytest.raises(ValueError, match="cannot remap torch.optim.LBFGS"):
+        snack.dst.SET(model, opt, total_steps=1000)
 
 
 def test_a_dropped_armed_rigl_leaves_no_hooks_recording():
@@ -486,7 +501,7 @@ def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, 
     if algorithm == "GradualPruning":
         kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10, **kwargs)
     else:
-        kwargs = dict(total_steps=10, **kwargs)
+        kwargs = dict(total_steps=1000, **kwargs)
     with pytest.raises(error, match=match):
         getattr(snack.dst, algorithm)(model, opt, **kwargs)
     assert not any(m._forward_hooks for m in model.modules())
@@ -506,7 +521,7 @@ def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
     if algorithm == "GradualPruning":
         dst = snack.dst.GradualPruning(model, opt, final_sparsity=0.95, start_step=0, end_step=10, layers=layers)
     else:
-        dst = getattr(snack.dst, algorithm)(model, opt, total_steps=10, layers=layers)
+        dst = getattr(snack.dst, algorithm)(model, opt, total_steps=1000, layers=layers)
     assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
@@ -521,7 +536,7 @@ def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
     if algorithm == "GradualPruning":
         kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10)
     else:
-        kwargs = dict(total_steps=10)
+        kwargs = dict(total_steps=1000)
     with pytest.raises(ValueError, match="layers '0' and '2' share one values Parameter"):
         getattr(snack.dst, algorithm)(model, opt, layers=layers, **kwargs)
 
@@ -529,13 +544,13 @@ def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
 def test_model_without_sparse_layers_and_mismatched_optimizer_are_rejected():
     dense = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="no SparseLinear"):
-        snack.dst.SET(dense, torch.optim.SGD(dense.parameters(), lr=0.1), total_steps=10)
+        snack.dst.SET(dense, torch.optim.SGD(dense.parameters(), lr=0.1), total_steps=1000)
     model = _model()
     other = torch.optim.SGD(_model(seed=1).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="does not hold"):
-        snack.dst.SET(model, other, total_steps=10)
+        snack.dst.SET(model, other, total_steps=1000)
     with pytest.raises(TypeError, match="optimizer"):
-        snack.dst.SET(model, "sgd", total_steps=10)
+        snack.dst.SET(model, "sgd", total_steps=1000)
 
 
 def test_unknown_optimizer_state_shape_fails_before_any_change():
@@ -781,7 +796,7 @@ def test_a_drop_grow_subclass_without_grow_is_refused_at_construction():
 
     model = _model()
     with pytest.raises(TypeError, match="NoGrowth must implement grow"):
-        NoGrowth(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10)
+        NoGrowth(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=1000)
 
 
 def _topology_and_values(layer):
@@ -814,6 +829,61 @@ def test_a_frozen_layer_is_left_alone_until_it_is_unfrozen(algorithm, frozen_ind
     _train(model, opt, dst, _batches(2, seed=1))
     assert not torch.equal(frozen.row * frozen.in_features + frozen.col, before[0] * frozen.in_features + before[1])
     check_topology_invariants(frozen, before[0].numel())
+
+
+def test_an_optimizer_of_the_trainable_parameters_only_names_the_frozen_layer_it_lacks():
+    model = _model()
+    _sparse_layers(model)[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match=r"\['0'\] is frozen \(values.requires_grad is False\), which an optimizer"):
+        snack.dst.SET(model, opt, total_steps=1000)
+
+
+@pytest.mark.parametrize(
+    "options, why",
+    [
+        (dict(total_steps=10), "updates stop after step 7 of 10 (update_every=100"),  # total_steps in epochs
+        (dict(total_steps=8, update_every=6), "step 6, the only update step, has a drop fraction of 0"),
+    ],
+)
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+def test_a_schedule_that_never_changes_the_topology_warns(algorithm, options, why):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = f"{algorithm.__name__} will never change the topology: .*{re.escape(why)}"
+    with pytest.warns(UserWarning, match=expected) as caught:
+        dst = algorithm(model, opt, **options)
+    assert caught[0].filename == __file__  # the line that built it, not snack's
+    assert _train(model, opt, dst, _batches(options["total_steps"])) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        algorithm(model, opt, total_steps=10, update_every=2)  # changes at steps 2, 4, 6
+        algorithm(model, opt, total_steps=10, drop_fraction=0.0)  # asked for no change
+        algorithm(model, opt, total_steps=8, update_every=6, schedule="constant")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_rigl_through_a_compiled_model(fullgraph):
+    """Without fullgraph the recording hook runs outside the graph and the update is RigL's;
+    with fullgraph=True a compiled update step refuses, saying why (it failed inside Dynamo)."""
+    model, reference = _model(), _model()
+    compiled = torch.compile(model, fullgraph=fullgraph)  # imports Dynamo, which arming then sees
+    torch._dynamo.reset()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    dsts = [snack.dst.RigL(m, opt, update_every=1, total_steps=10) for m, opt in zip((model, reference), opts)]
+    if fullgraph:
+        with pytest.raises(Exception, match="RigL records each layer's X and dY eagerly on update steps"):
+            compiled(_batches(1)[0][0])
+        return
+    with warnings.catch_warnings(record=True) as caught:  # it warned "Dynamo does not know how to trace..."
+        warnings.simplefilter("always")
+        _train(compiled, opts[0], dsts[0], _batches(1))
+    assert not [w for w in caught if "Dynamo" in str(w.message)]
+    _train(reference, opts[1], dsts[1], _batches(1))
+    for layer, expected in zip(_sparse_layers(model), _sparse_layers(reference)):
+        assert torch.equal(layer.row, expected.row) and torch.equal(layer.col, expected.col)
+        torch.testing.assert_close(layer.values, expected.values)
 
 
 def test_gradual_pruning_does_not_prune_a_frozen_layer():
@@ -951,7 +1021,7 @@ def test_layers_given_as_a_set_follow_the_model_order():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     names = [name for name, m in model.named_modules() if isinstance(m, snack.SparseLinear)]
     for layers in (set(names), frozenset(reversed(names)), {model.get_submodule(n) for n in names}):
-        assert snack.dst.SET(model, opt, total_steps=10, layers=layers).state_dict()["layers"] == names
+        assert snack.dst.SET(model, opt, total_steps=1000, layers=layers).state_dict()["layers"] == names
     assert snack.dst.distributed.comparable({"4", "0", "2"}, model) == sorted(["'0'", "'2'", "'4'"])
 
 
@@ -1033,3 +1103,137 @@ def test_a_vectorized_backward_on_an_update_step_adds_nothing_to_rigl_records(ve
         assert dst.step()
         runs.append([layer.col.clone() for layer in _sparse_layers(model)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_grow_init_random_matches_the_layer_init_distribution():
+    """grow_init="random" draws U(-b, b) with the layer's own b = 1/sqrt(nnz/out): not the dense
+    fan-in's bound (new weights 3x too small at 90%), not one sign only."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(100, 200, sparsity=0.9)  # fan-in nnz/out = 20, dense fan-in 200
+    old_key = linear_index(layer.topology)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, drop_fraction=0.5, update_every=1, total_steps=10,
+                        schedule="constant", grow_init="random", seed=3)
+    assert dst.step()
+    new_values = layer.values.detach()[~torch.isin(linear_index(layer.topology), old_key)]
+    bound = 1 / (layer.nnz / layer.out_features) ** 0.5
+    assert new_values.numel() == 1000
+    assert bool((new_values.abs() <= bound).all())
+    # 1000 uniform draws: the extremes come within 1% of both ends, the mean is near 0
+    assert float(new_values.max()) > 0.95 * bound and float(new_values.min()) < -0.95 * bound
+    assert abs(float(new_values.mean())) < 0.1 * bound
+
+
+def test_rigl_updates_after_an_autocast_training_step():
+    """Under torch.autocast the recorded dY is bfloat16 while X is the float32 input: scoring
+    |dYᵀX| must still work (mixed-precision RigL)."""
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4)), 0.8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=1, total_steps=10, schedule="constant")
+    layers = [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+    nnz = [layer.nnz for layer in layers]
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert dst.step()
+    assert [layer.nnz for layer in layers] == nnz
+    for layer in layers:
+        assert layer.values.dtype == torch.float32
+
+
+def test_gradual_pruning_never_disconnects_a_small_layer():
+    """A 2-connection layer next to a 10000-connection one, pruned to 99% overall, would get
+    round(2 · 0.01) = 0 connections and output its bias only: every layer keeps at least one."""
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 2)), 0.99)
+    # make the second layer tiny: 2 connections at the start of pruning
+    big, small = [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+    small.set_topology(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([0.5, -0.5]))
+    big.set_topology(*random_coo(100, 100, 0.0), torch.randn(10000) * 0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pruning = snack.dst.GradualPruning(model, opt, final_sparsity=0.99, start_step=1, end_step=5, update_every=1)
+    for _ in range(6):
+        pruning.step()
+    assert small.nnz >= 1
+    assert big.nnz + small.nnz <= 0.0105 * (10000 + 200)  # the overall target is still met
+
+
+def _set_run(seed, global_seed):
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(20, 20, sparsity=0.9)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, drop_fraction=0.25, update_every=1, total_steps=100,
+                        schedule="constant", grow_init="random", seed=seed)
+    torch.manual_seed(global_seed)  # the global RNG must play no part
+    for _ in range(3):
+        dst.step()
+        torch.rand(7)  # e.g. dropout or data shuffling between steps draws from it
+    return layer.values.detach().clone(), linear_index(layer.topology)
+
+
+def test_random_grow_init_depends_on_the_seed_only():
+    """grow_init="random" draws from the DST generator, not the global RNG: the same seed gives
+    the same run whatever else draws (dropout, shuffling), so a resumed run is bitwise identical."""
+    (values_a, key_a), (values_b, key_b) = _set_run(1, 10), _set_run(1, 11)
+    assert torch.equal(key_a, key_b)
+    assert torch.equal(values_a, values_b)
+
+
+def test_set_growth_draws_fresh_positions_at_every_update():
+    """SET's generator advances between updates (replaying its draws would cycle growth between
+    two position sets). With frozen weights (lr 0) and zero-initialised growth, each update drops
+    what the previous one grew; 100 growths among 360 inactive positions then reach about 88
+    distinct positions, not 20."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(20, 20, sparsity=0.9)  # nnz 40, k = 10 per update
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SET(layer, opt, drop_fraction=0.25, update_every=1, total_steps=100,
+                        schedule="constant", seed=0)
+    grown = set()
+    for _ in range(10):
+        before = set(linear_index(layer.topology).tolist())
+        assert dst.step()
+        grown |= set(linear_index(layer.topology).tolist()) - before
+    assert len(grown) > 60
+
+
+def test_gradual_pruning_prunes_to_the_given_initial_sparsity_at_start_step():
+    """With an initial_sparsity above the model's, s_t is initial_sparsity at start_step, and
+    "every update_every steps from start_step" includes start_step: the model is pruned to 0.5
+    there, not one interval later."""
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 20)), 0.0)
+    layers = [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+    total = sum(m.out_features * m.in_features for m in layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gp = snack.dst.GradualPruning(model, opt, final_sparsity=0.9, initial_sparsity=0.5,
+                                  start_step=3, end_step=30, update_every=10)
+    for _ in range(2):
+        assert not gp.step()
+    assert gp.step()  # step 3 = start_step
+    assert 1 - sum(m.nnz for m in layers) / total == 0.5
+
+
+def test_fresh_optimizer_state_comes_from_the_layers_own_param_group():
+    """A grown connection of values in a param group with its own initial_accumulator_value
+    (Adagrad) / lr (Rprop) gets that group's fresh state, not the first group's."""
+    for make_opt, key, fresh in (
+        (lambda a, b: torch.optim.Adagrad([{"params": a, "initial_accumulator_value": 0.0},
+                                           {"params": b, "initial_accumulator_value": 0.25}], lr=0.1), "sum", 0.25),
+        (lambda a, b: torch.optim.Rprop([{"params": a, "lr": 0.5}, {"params": b, "lr": 0.03}]), "step_size", 0.03),
+    ):
+        torch.manual_seed(0)
+        layer = snack.SparseLinear(10, 8, sparsity=0.6)
+        opt = make_opt([layer.bias], [layer.values])
+        for _ in range(2):
+            opt.zero_grad()
+            layer(torch.randn(4, 10)).pow(2).sum().backward()
+            opt.step()
+        grow = snack.dst.random_grow(layer.topology, 3, torch.Generator().manual_seed(0))
+        snack.dst.rewire(layer, opt, torch.tensor([1, 2, 7]), grow)
+        state = dict(zip(linear_index(layer.topology).tolist(), opt.state[layer.values][key].tolist()))
+        assert [state[p] for p in grow.tolist()] == pytest.approx([fresh] * 3), key

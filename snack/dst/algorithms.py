@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Iterable
 
@@ -144,6 +145,15 @@ def _refuse_shared_values(named: dict[str, SparseLinear], found: list[tuple[str,
                 "and leave the other reading the new values at its old connections. Untie them, or leave both out "
                 "of layers."
             )
+
+
+def _outside_snack_dst() -> int:
+    """``warnings.warn``'s ``stacklevel`` for the caller's first frame outside ``snack.dst``: the
+    user's line, through however many constructors of subclasses."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("snack.dst"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class DynamicSparsity:
@@ -441,6 +451,14 @@ class DropGrow(DynamicSparsity):
         if grow_init not in GROW_INITS:
             raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
         self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)
+        why = self.schedule.why_static()
+        if why is not None:  # a DST run that would silently train a static topology
+            warnings.warn(
+                f"{type(self).__name__} will never change the topology: {why} (update_every={update_every}, "
+                f"stop_fraction={stop_fraction}; total_steps counts optimizer steps, not epochs)",
+                UserWarning,
+                stacklevel=_outside_snack_dst(),
+            )
         self.grow_init = grow_init
         super().__init__(model, optimizer, layers=layers, seed=seed, process_group=process_group)
         self._arm()

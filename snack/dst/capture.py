@@ -21,6 +21,7 @@ see :func:`snack.dst.prune_grow.gradient_grow`).
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -56,7 +57,7 @@ class GradientCapture:
 
     def _register(self) -> None:
         self._handles[:] = [
-            layer.register_forward_hook(_RecordingHook(self, i), with_kwargs=True)
+            layer.register_forward_hook(_outside_graphs(_RecordingHook(self, i)), with_kwargs=True)
             for i, layer in enumerate(self.layers)
         ]
 
@@ -111,6 +112,39 @@ class GradientCapture:
         if output._base is not None and output._base.shape == (record[0].shape[0], layer.out_features):
             output = output._base
         output.register_hook(grad_hook)
+
+
+def _outside_graphs(hook: _RecordingHook):
+    """``hook``, run outside the graphs of compiled models when ``torch.compile`` is in use.
+
+    Recording copies X and hooks the output's gradient: Python side effects that Dynamo does not
+    trace (it failed inside them, or warned and broke the graph at each of their calls). Wrapped
+    in ``torch.compiler.disable``, the hook runs eagerly between two graphs, and a model compiled
+    with ``fullgraph=True`` refuses with the reason below. The wrapping imports Dynamo (1.4 s),
+    so it is done only where Dynamo is loaded already: a hook armed before that (by a RigL object
+    made before ``torch.compile`` was first called, until its first update) is traced as before
+    (a graph break with a warning; with ``fullgraph=True``, Dynamo's own error).
+    """
+    return _EagerHook(hook) if "torch._dynamo" in sys.modules else hook
+
+
+class _EagerHook:
+    """A :class:`_RecordingHook` that compiled code calls outside its graphs (see
+    :func:`_outside_graphs`); copied, it is the hook's inert copy."""
+
+    def __init__(self, hook: _RecordingHook):
+        self.hook = hook
+        self.run = torch.compiler.disable(
+            hook,
+            reason="snack.dst.RigL records each layer's X and dY eagerly on update steps: compile the model "
+            "without fullgraph=True, or run update steps uncompiled",
+        )
+
+    def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
+        self.run(module, args, kwargs, output)
+
+    def __reduce__(self):
+        return self.hook.__reduce__()
 
 
 def _remove_all(handles: list) -> None:

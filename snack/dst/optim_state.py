@@ -25,11 +25,25 @@ def check_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, nn.Param
     whose state can be remapped; ``hint`` ends the message when it holds too few."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # its history (old_dirs, old_stps) concatenates every parameter, kept in the state of
+        # the first one only, which need not be a sparse layer's: no per-parameter check sees it
+        raise ValueError(
+            "snack.dst cannot remap torch.optim.LBFGS: its history holds all parameters flattened together, in "
+            "the old connection order after a rewire; use an optimizer whose state is per element (SGD, Adam, "
+            "AdamW, RMSprop, Adagrad, ...)"
+        )
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [name for name, p in params.items() if id(p) not in held]
     if missing:
+        frozen = [name for name in missing if not params[name].requires_grad]
+        why = (
+            f"; {frozen} {'is' if len(frozen) == 1 else 'are'} frozen (values.requires_grad is False), which an "
+            "optimizer built from the trainable parameters leaves out"
+            if frozen else ""
+        )
         raise ValueError(
-            f"the optimizer does not hold the values of sparse layer(s) {missing}: build the optimizer from "
+            f"the optimizer does not hold the values of sparse layer(s) {missing}{why}: build the optimizer from "
             f"the sparsified model's parameters (after snack.sparsify){hint}"
         )
     for name, p in params.items():

@@ -39,6 +39,18 @@ class DropSchedule:
     def is_update_step(self, step: int) -> bool:
         return step >= 1 and step % self.update_every == 0 and step <= self.end_step
 
+    def why_static(self) -> str | None:
+        """Why no update step replaces a connection although ``drop_fraction`` > 0 (e.g.
+        ``total_steps`` given in epochs), or ``None`` when one does (or ``drop_fraction`` is 0)."""
+        steps = range(self.update_every, self.end_step + 1, self.update_every)
+        # the fraction never grows with the step: the first update step decides
+        if self.drop_fraction == 0 or (steps and self.fraction(steps[0]) > 0):
+            return None
+        why = f"updates stop after step {self.end_step} of {self.total_steps}"
+        if steps:  # only the last step, where the cosine decay ends
+            why += f", and step {self.end_step}, the only update step, has a drop fraction of 0"
+        return why
+
     def fraction(self, step: int) -> float:
         if self.kind == "constant":
             return self.drop_fraction
