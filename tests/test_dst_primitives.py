@@ -222,3 +222,12 @@ def test_gradient_grow_ranks_nan_first_without_losing_larger_scores_of_later_blo
     x = torch.tensor([[float("nan"), 0.1]])
     dy = torch.tensor([[1.0, 9.0]])
     assert gradient_grow(x, dy, topo, 2, block_elements=2).tolist() == [0, 3]
+
+
+def test_magnitude_drop_split_sign_splits_k_in_proportion_to_each_sign():
+    """split_sign divides k between the signs in proportion to their counts: with 8 positive and
+    2 negative weights, dropping 5 takes 4 positives and 1 negative (4 and 4 would not tell an
+    even split from a proportional one)."""
+    values = torch.tensor([0.1, 0.2, -0.3, 0.4, 0.5, 0.6, -0.05, 0.7, 0.8, 0.9])
+    # 4 smallest positives: 0.1, 0.2, 0.4, 0.5 (positions 0, 1, 3, 4); the negative nearest 0: -0.05 (6)
+    assert magnitude_drop(values, 5, split_sign=True).tolist() == [0, 1, 3, 4, 6]

@@ -221,3 +221,33 @@ def test_a_non_tensor_argument_inside_a_transform_is_a_type_error():
     layer, (x, _) = _model()[0], _data()
     with pytest.raises(TypeError, match="snack.ops.spmm: x must be a Tensor, got list"):
         grad(lambda v: snack.ops.spmm(x.tolist(), v, layer.topology).sum())(layer.values.detach())
+
+
+def _case():
+    generator = torch.Generator().manual_seed(3)
+    topology = Topology(*random_coo(5, 7, 0.5, generator=generator), (5, 7))
+    values = torch.randn(topology.nnz, dtype=DTYPE, generator=generator)
+    return topology, values, generator
+
+
+def test_vmap_over_a_non_leading_dimension_of_the_dense_input():
+    """vmap(in_dims=1) over a (B, V, in) input equals the loop over V (the vmap rule moves the
+    vmapped dimension of x/dy first)."""
+    topology, values, generator = _case()
+    x = torch.randn(3, 4, 7, dtype=DTYPE, generator=generator)  # (B, V, in), vmapped dim 1
+    dy = torch.randn(3, 4, 5, dtype=DTYPE, generator=generator)
+    for op, dense in (("spmm", x), ("spmm_t", dy)):
+        function = getattr(snack.ops, op)
+        got = vmap(lambda a: function(a, values, topology), in_dims=1)(dense)
+        expected = torch.stack([function(dense[:, v], values, topology) for v in range(dense.shape[1])])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_vmap_over_a_non_leading_dimension_of_values():
+    """An ensemble stored as (nnz, V) and vmapped with in_dims=1 equals the loop over its columns."""
+    topology, _, generator = _case()
+    ensemble = torch.randn(topology.nnz, 4, dtype=DTYPE, generator=generator)  # (nnz, V)
+    x = torch.randn(3, 7, dtype=DTYPE, generator=generator)
+    got = vmap(lambda v: snack.ops.spmm(x, v, topology), in_dims=1)(ensemble)
+    expected = torch.stack([snack.ops.spmm(x, ensemble[:, v], topology) for v in range(4)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

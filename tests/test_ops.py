@@ -240,6 +240,14 @@ def test_use_backend_unknown_name():
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         with snack.use_backend("nope"):
             pass
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):  # also called without `with`
+        snack.use_backend("nope")
+
+
+def test_use_backend_called_without_with_warns_that_it_forced_nothing():
+    with pytest.warns(RuntimeWarning, match=r"use_backend\('reference'\) forces the backend only inside a `with`"):
+        snack.use_backend("reference")
+    assert snack.backends.forced_backend() is None
 
 
 def test_failing_backend_is_reported_not_silent():
@@ -266,3 +274,25 @@ def test_registering_a_default_backend_takes_effect_at_once():
     finally:
         backends.unregister_backend("preferred")
     assert backends.resolve(device) is before
+
+
+def test_custom_op_backward_saves_only_the_tensors_the_needed_gradients_use():
+    """What the op's autograd saves, seen through saved-tensor hooks: d values needs x only, d x
+    needs values only (saving both costs memory, and fails in-place edits of the unsaved one)."""
+    topology, values, x, _ = _case()
+
+    def saved_while(build):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            build()
+        return saved
+
+    def holds(saved, tensor):
+        return any(t.data_ptr() == tensor.data_ptr() and t.shape == tensor.shape for t in saved)
+
+    v = values.clone().requires_grad_()
+    saved = saved_while(lambda: snack.ops.spmm(x, v, topology))
+    assert holds(saved, x) and not holds(saved, v)
+    xg = x.clone().requires_grad_()
+    saved = saved_while(lambda: snack.ops.spmm(xg, values, topology))
+    assert holds(saved, values) and not holds(saved, xg)

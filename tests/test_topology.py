@@ -175,3 +175,28 @@ def test_meta_coordinates_are_refused_with_a_clear_error():
 def test_random_coo_rejects_bad_sparsity(sparsity):
     with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
         random_coo(4, 4, sparsity)
+
+
+def test_largest_magnitudes_treats_nans_of_any_payload_alike():
+    """torch.sort treats every NaN alike, so among NaNs the earliest positions win, whatever the
+    payload (NaNs from different computations, or -NaN, carry different bits). block=4 forces
+    the radix select."""
+    payloads = [0x7FC00000, 0x7FC00001, 0x7FFFFFFF, 0xFFC00000 - (1 << 32), 0x7F800001]
+    flat = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    nan_positions = [2, 5, 9, 13, 17]
+    bits = flat.view(torch.int32).clone()
+    for position, payload in zip(nan_positions, reversed(payloads)):  # largest payload last
+        bits[position] = payload
+    flat = bits.view(torch.float32)
+    assert bool(flat[nan_positions].isnan().all())
+    for k in range(1, 6):
+        expected = torch.sort(flat.abs(), descending=True, stable=True).indices[:k].sort().values
+        assert expected.tolist() == nan_positions[:k]
+        assert largest_magnitudes(flat, k, block=4).tolist() == nan_positions[:k]
+
+
+def test_validate_coo_without_require_sorted_accepts_any_order_but_not_duplicates():
+    """validate_coo(require_sorted=False): any order, but still no duplicates."""
+    validate_coo(torch.tensor([1, 0, 1]), torch.tensor([0, 2, 2]), (2, 3), require_sorted=False)
+    with pytest.raises(ValueError, match="duplicate coordinate"):
+        validate_coo(torch.tensor([1, 0, 1]), torch.tensor([2, 2, 2]), (2, 3), require_sorted=False)

@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import importlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -148,20 +148,19 @@ def default_backend_name(device: torch.device | str) -> str:
     return "reference"
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
+def use_backend(name: str) -> contextlib.AbstractContextManager:
     """Force every snack op inside the ``with`` block to run on backend ``name``.
 
     The backward of an op run eagerly inside the block runs there too, wherever and whenever
     autograd runs it (PyTorch runs a CUDA backward on a worker thread, which does not see the
     block). Code compiled by ``torch.compile`` runs its backward on the backend in force when
     the backward runs.
-    Raises at once if the backend does not exist or cannot load. Ops on a device the backend
-    does not support raise :class:`BackendUnavailableError` when called.
+    Raises at once (also outside a ``with``) if the backend does not exist or cannot load; a call
+    whose result is never entered warns when dropped, as it forces nothing. Ops on a device the
+    backend does not support raise :class:`BackendUnavailableError` when called.
     """
     get_backend(name)
-    with _Forcing(name):
-        yield
+    return _BackendChoice(name)
 
 
 def forced_backend() -> str | None:
@@ -185,6 +184,26 @@ class _Forcing:
 
     def __exit__(self, *exc_info) -> None:
         _FORCED.reset(self.token)
+
+
+class _BackendChoice(_Forcing):
+    """What :func:`use_backend` returns: a :class:`_Forcing` that says so when it is dropped
+    without being entered (``snack.use_backend("reference")`` as a statement does nothing)."""
+
+    entered = False
+
+    def __enter__(self) -> None:
+        self.entered = True
+        super().__enter__()
+
+    def __del__(self) -> None:
+        if not self.entered:
+            warnings.warn(
+                f"snack.use_backend({self.name!r}) forces the backend only inside a `with` block; this call was "
+                "never entered and changed nothing",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 _NOT_FORCING = contextlib.nullcontext()
