@@ -865,25 +865,38 @@ def test_a_schedule_that_never_changes_the_topology_warns(algorithm, options, wh
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_rigl_through_a_compiled_model(fullgraph):
-    """Without fullgraph the recording hook runs outside the graph and the update is RigL's;
-    with fullgraph=True a compiled update step refuses, saying why (it failed inside Dynamo)."""
+    """Without fullgraph the recording hooks run between graphs and the updates are RigL's (with
+    Dynamo guarding on hooks, which RigL adds before each update step); with fullgraph=True a
+    compiled update step refuses, saying why (it failed inside Dynamo's functorch internals)."""
     model, reference = _model(), _model()
     compiled = torch.compile(model, fullgraph=fullgraph)  # imports Dynamo, which arming then sees
     torch._dynamo.reset()
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    dsts = [snack.dst.RigL(m, opt, update_every=1, total_steps=10) for m, opt in zip((model, reference), opts)]
+    every = 1 if fullgraph else 2
+    dsts = [snack.dst.RigL(m, opt, update_every=every, total_steps=10) for m, opt in zip((model, reference), opts)]
     if fullgraph:
         with pytest.raises(Exception, match="RigL records each layer's X and dY eagerly on update steps"):
             compiled(_batches(1)[0][0])
         return
-    with warnings.catch_warnings(record=True) as caught:  # it warned "Dynamo does not know how to trace..."
-        warnings.simplefilter("always")
-        _train(compiled, opts[0], dsts[0], _batches(1))
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # it warned "Dynamo does not know how to trace..." at every layer
+        assert _train(compiled, opts[0], dsts[0], _batches(4)) == 2
     assert not [w for w in caught if "Dynamo" in str(w.message)]
-    _train(reference, opts[1], dsts[1], _batches(1))
+    assert _train(reference, opts[1], dsts[1], _batches(4)) == 2
     for layer, expected in zip(_sparse_layers(model), _sparse_layers(reference)):
         assert torch.equal(layer.row, expected.row) and torch.equal(layer.col, expected.col)
         torch.testing.assert_close(layer.values, expected.values)
+
+
+def test_rigl_through_a_model_compiled_without_hook_guards_says_what_to_set():
+    # Dynamo skips guards on module hooks by default: a graph compiled before RigL armed its hooks
+    # never runs them, and the update found nothing recorded
+    model = _model()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=2, total_steps=10)
+    with pytest.raises(RuntimeError, match="skip_nnmodule_hook_guards = False"):
+        _train(compiled, opt, dst, _batches(2))
 
 
 def test_gradual_pruning_does_not_prune_a_frozen_layer():

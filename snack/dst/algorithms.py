@@ -501,8 +501,9 @@ class DropGrow(DynamicSparsity):
                 "step's forward and backward through this layer between dst.step() calls; it records nothing if "
                 "the layer was not used in them, ran only under no_grad or inference mode, was frozen "
                 "(values.requires_grad False) during its forward, ran inside torch.func.vmap (per-sample gradients: "
-                "its batched tensors cannot be recorded), or ran in a model compiled with "
-                "torch.compile(fullgraph=True), which does not run the recording hooks (compile it without fullgraph)"
+                "its batched tensors cannot be recorded), or ran in a compiled model that does not run the "
+                "recording hooks RigL adds before each update step: compile without fullgraph=True, and set "
+                "torch._dynamo.config.skip_nnmodule_hook_guards = False so that Dynamo notices them"
             )
         if recorded and not all(bool(torch.isfinite(t).all()) for t in recorded):
             # e.g. a mixed-precision step whose gradients overflowed (GradScaler skips its optimizer
