@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+import snack
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("snack.train", "Train a sparse MLP with dynamic sparse training (RigL/SET) on MNIST digits."),
@@ -31,6 +33,27 @@ def device_argument(text: str) -> torch.device:
     return device
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def sparsity_argument(text: str) -> float:
+    """An argparse ``type``: a sparsity in ``[0, 1)``."""
+    from snack.topology import check_sparsity
+
+    try:
+        return check_sparsity(float(text))
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def unavailable_device(command: str, device: torch.device) -> bool:
     """True, after saying so on stderr, when ``device`` is a CUDA device this machine lacks."""
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -41,6 +64,9 @@ def unavailable_device(command: str, device: torch.device) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="snack", description="Truly sparse neural networks for PyTorch.")
+    parser.add_argument(
+        "--version", action="version", version=f"snack {snack.__version__} (torch {torch.__version__})"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_path, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(module_path)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import snack
-from snack.cli import device_argument, unavailable_device
+from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device
 from snack.data import Digits, load_digits
 from snack.distributions import layer_sparsities
 
@@ -40,19 +40,53 @@ ALGORITHMS = ("rigl", "set", "static")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
-    parser.add_argument("--sparsity", type=float, default=0.9, help="overall sparsity of the linear layers (default: 0.9)")
+    parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
+                        help="overall sparsity of the linear layers (default: 0.9)")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
-    parser.add_argument("--epochs", type=int, default=10, help="passes over the training set (default: 10)")
-    parser.add_argument("--width", type=int, default=1024, help="hidden layer width (default: 1024)")
-    parser.add_argument("--batch-size", type=int, default=64, help="training batch size (default: 64)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
-    parser.add_argument("--drop-fraction", type=float, default=0.3, help="DST drop fraction (default: 0.3)")
-    parser.add_argument("--update-every", type=int, default=50, help="steps between DST updates (default: 50)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of init, data order and DST (default: 0)")
-    parser.add_argument("--limit", type=int, default=None, help="use only this many training examples (quick runs)")
+    parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: 10)")
+    parser.add_argument("--width", type=positive_int, default=1024, help="hidden layer width (default: 1024)")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="training batch size (default: 64)")
+    parser.add_argument("--lr", type=_learning_rate, default=2e-3,
+                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
+    parser.add_argument("--drop-fraction", type=_fraction, default=0.3, help="DST drop fraction (default: 0.3)")
+    parser.add_argument("--update-every", type=positive_int, default=50, help="steps between DST updates (default: 50)")
+    parser.add_argument("--seed", type=_seed, default=0, help="seed of init, data order and DST (default: 0)")
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="use only this many training examples (quick runs)")
     parser.add_argument("--compare", action="store_true", help="also train dense and Dense+Mask models and print a table")
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def _learning_rate(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
 
 
 class MaskedLinear(nn.Module):
@@ -239,24 +273,7 @@ def _peak_memory(device: torch.device) -> str:
     return f"{rss}, peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    for name in ("epochs", "width", "batch_size", "update_every"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"snack train: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 <= args.sparsity < 1.0:
-        raise SystemExit(f"snack train: --sparsity must be in [0, 1), got {args.sparsity}")
-    if not 0.0 <= args.drop_fraction <= 1.0:
-        raise SystemExit(f"snack train: --drop-fraction must be in [0, 1], got {args.drop_fraction}")
-    if args.limit is not None and args.limit < 1:
-        raise SystemExit(f"snack train: --limit must be >= 1, got {args.limit}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise SystemExit(f"snack train: --lr must be a positive finite number, got {args.lr}")
-    if not 0 <= args.seed < 2**63:
-        raise SystemExit(f"snack train: --seed must be in [0, 2**63), got {args.seed}")
-
-
 def run(args: argparse.Namespace) -> int:
-    _check_args(args)
     if unavailable_device("train", args.device):
         return 2
     data = Digits(*(t.to(args.device) if isinstance(t, Tensor) else t for t in load_digits(args.limit)))

@@ -3,6 +3,7 @@ import re
 import pytest
 import torch
 
+import snack
 from snack import cli
 
 
@@ -25,11 +26,19 @@ def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
 @pytest.mark.parametrize(
     "flag, value",
     [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2"), ("--lr", "-1"), ("--lr", "inf"),
-     ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64))],
+     ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64)), ("--width", "x"), ("--limit", "0")],
 )  # fmt: skip
-def test_snack_train_rejects_bad_options(flag, value):
-    with pytest.raises(SystemExit, match=flag):
+def test_snack_train_rejects_bad_options(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, as snack bench gives
         cli.main(["train", flag, value, "--no-progress"])
+    assert exit_info.value.code == 2 and f"error: argument {flag}: " in capsys.readouterr().err
+
+
+def test_snack_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"snack {snack.__version__} (torch {torch.__version__})\n"
 
 
 @pytest.mark.parametrize("command", ["train", "bench"])

@@ -22,8 +22,8 @@ from snack.backends import default_backend_name
 from snack.bench.harness import MODES, Grid, run_grid
 from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
-from snack.cli import device_argument, unavailable_device
-from snack.topology import MAX_INDEX, check_sparsity, nnz_for_sparsity
+from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device
+from snack.topology import MAX_INDEX, nnz_for_sparsity
 
 __all__ = ["add_arguments", "run"]
 
@@ -49,23 +49,6 @@ def _size(text: str) -> tuple[int, int]:
     return out_features, in_features
 
 
-def _sparsity(text: str) -> float:
-    try:
-        return check_sparsity(float(text))
-    except (TypeError, ValueError) as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _unique(values) -> tuple:
     return tuple(dict.fromkeys(values))
 
@@ -73,15 +56,15 @@ def _unique(values) -> tuple:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", nargs="+", type=_size, metavar="OUTxIN",
                         help=f"weight shapes, out_features x in_features (default: {' '.join(FULL['sizes'])})")
-    parser.add_argument("--sparsity", nargs="+", type=_sparsity, help=f"default: {FULL['sparsity']}")
-    parser.add_argument("--batch", nargs="+", type=_positive, help=f"default: {FULL['batch']}")
+    parser.add_argument("--sparsity", nargs="+", type=sparsity_argument, help=f"default: {FULL['sparsity']}")
+    parser.add_argument("--batch", nargs="+", type=positive_int, help=f"default: {FULL['batch']}")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES), help="default: both")
-    parser.add_argument("--repeats", type=_positive, help=f"interleaved samples per variant and point (default {FULL['repeats']})")
+    parser.add_argument("--repeats", type=positive_int, help=f"interleaved samples per variant and point (default {FULL['repeats']})")
     parser.add_argument("--quick", action="store_true",
                         help="a small grid for a check in seconds, written to benchmarks/quick unless --out is "
                              "given (explicit options still override it)")
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
-    parser.add_argument("--threads", type=_positive, help="CPU threads for every variant (default: torch's, all cores)")
+    parser.add_argument("--threads", type=positive_int, help="CPU threads for every variant (default: torch's, all cores)")
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks, or benchmarks/quick with --quick)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -230,8 +230,17 @@ class DynamicSparsity:
         layers = [name for name, _ in self.layers]
         expected = {"algorithm": type(self).__name__, "layers": layers, "config": self._config()}
         for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(f"cannot load DST state: {key} is {state.get(key)!r}, this object has {value!r}")
+            saved = state.get(key)
+            if saved == value:
+                continue
+            if key == "config" and isinstance(saved, dict):  # name what differs, not two whole dicts
+                differing = sorted(set(saved) | set(value), key=str)
+                detail = ", ".join(
+                    f"{name}: saved {saved.get(name)!r}, this object {value.get(name)!r}"
+                    for name in differing if saved.get(name) != value.get(name)
+                )
+                raise ValueError(f"cannot load DST state: its configuration differs ({detail})")
+            raise ValueError(f"cannot load DST state: {key} is {saved!r}, this object has {value!r}")
         for key in ("step", "generator"):
             if key not in state:
                 raise ValueError(f"cannot load DST state: it has no {key!r} entry (keys: {sorted(state)})")
