@@ -276,7 +276,11 @@ class SparseLinear(nn.Module):
 
         The ``values`` Parameter object is kept (its data is replaced) so optimizers still hold
         it; its ``.grad`` is cleared, as it belonged to the old connections. Optimizer state is
-        not touched here (see :mod:`snack.dst`). ``row``, ``col`` and ``values`` are copied, and
+        not touched here: per-element state (momentum, Adam's moments) then still has the old
+        connections' order and size, and an optimizer step with it fails or mixes connections.
+        With an optimizer, rewire through :func:`snack.dst.rewire` (which remaps that state), or
+        clear the state of ``values`` (``optimizer.state.pop(layer.values, None)``).
+        ``row``, ``col`` and ``values`` are copied, and
         are normal tensors even when this is called under ``torch.inference_mode`` (the layer
         must still train). On bad input nothing changes.
         """
