@@ -1028,6 +1028,19 @@ def test_gradual_pruning_reaches_final_sparsity_when_end_step_is_off_the_update_
     assert 1 - sum(m.nnz for m in layers) / total == pytest.approx(0.9, abs=0.005)
 
 
+def test_layers_may_be_glob_patterns_as_in_sparsify():
+    model = _model()  # SparseLinear layers 0, 2 and 4
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def names(layers):
+        return [name for name, _ in snack.dst.SET(model, opt, total_steps=1000, layers=layers).layers]
+
+    assert names("[02]") == ["0", "2"]
+    assert names(["4", "*"]) == ["4", "0", "2"]  # a pattern does not list a layer twice
+    with pytest.raises(ValueError, match=r"pattern 'fc\*' matches no SparseLinear of the model \(have \['0', '2'"):
+        names("fc*")
+
+
 def test_layers_given_as_a_set_follow_the_model_order():
     """A set's iteration order differs between processes: the order a checkpoint records (and
     the ranks compare) must not."""

@@ -20,6 +20,7 @@ never regrown in the same update (the issue's rule; RigL's reference code may re
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import numbers
 import sys
@@ -101,8 +102,8 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
             layers = [layers]
         if not isinstance(layers, Iterable):
             raise TypeError(
-                "layers must be None (every SparseLinear), a layer's name or module, or an iterable of them, "
-                f"got {type(layers).__name__} {layers!r}"
+                "layers must be None (every SparseLinear), a layer's name (or glob pattern) or module, or an "
+                f"iterable of them, got {type(layers).__name__} {layers!r}"
             )
         unordered = isinstance(layers, (set, frozenset))  # its order differs between processes
         layers = list(layers)
@@ -111,7 +112,16 @@ def _find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
         by_id = {id(m): name for name, m in named.items()}
         found = []
         for item in layers:
-            if isinstance(item, str):
+            if isinstance(item, str) and item not in named and any(c in item for c in "*?["):
+                # a glob pattern, as sparsify's include/exclude take: its matches in model order;
+                # layers another item listed already are not listed twice
+                matches = [name for name in named if fnmatch.fnmatchcase(name, item)]
+                if not matches:
+                    raise ValueError(
+                        f"layers: pattern {item!r} matches no SparseLinear of the model (have {sorted(named)})"
+                    )
+                found.extend((name, named[name]) for name in matches if all(name != seen for seen, _ in found))
+            elif isinstance(item, str):
                 if item not in named:
                     raise ValueError(f"layers: {item!r} is not a SparseLinear of the model (have {sorted(named)})")
                 found.append((item, named[item]))
@@ -563,8 +573,8 @@ class SET(DropGrow):
         split_sign: SET's original drop rule (smallest positive and largest negative weights
             separately) instead of the smallest ``|w|``.
         grow_init: ``"zero"`` (new weights start at 0) or ``"random"`` (the layer's init).
-        layers: names or modules of the layers to act on, any iterable (default: every
-            ``SparseLinear``). A frozen one (``values.requires_grad`` False) is left alone
+        layers: names (or glob patterns, ``"encoder.*"``) or modules of the layers to act on,
+            any iterable (default: every ``SparseLinear``). A frozen one (``values.requires_grad`` False) is left alone
             while it is frozen.
         seed: seeds the RNG of the random growth, in ``[0, 2**64 - 1]``.
         process_group: the ranks that train this model together (default: all, when
