@@ -740,6 +740,16 @@ def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | 
     return None
 
 
+def _subclass_hint(linear: nn.Linear) -> str:
+    """What makes a subclass of ``nn.Linear`` convertible, where something can (``sparsify`` leaves
+    subclasses dense)."""
+    if torch.nn.utils.parametrize.is_parametrized(linear):  # weight_norm, spectral_norm, orthogonal, ...
+        return ": remove its parametrizations first (torch.nn.utils.parametrize.remove_parametrizations)"
+    if isinstance(linear, nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
+        return ": run a forward first, which gives it a weight"
+    return ""
+
+
 def _selected(names: list[str], include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
     """Whether a module reachable under ``names`` (several when shared) is converted: one of its
     names is included, and none is excluded."""
@@ -852,7 +862,7 @@ def sparsify(
             else:
                 targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
-            subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__})")
+            subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__}{_subclass_hint(child)})")
     if subclassed:
         warnings.warn(
             f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "

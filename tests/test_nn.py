@@ -828,6 +828,18 @@ def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
     assert block(x).shape == x.shape  # MultiheadAttention reads out_proj.weight
 
 
+def test_sparsify_says_how_to_convert_a_parametrized_or_lazy_linear():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.LazyLinear(3))
+    with pytest.warns(UserWarning) as caught:
+        snack.sparsify(model, 0.5)
+    message = str(caught[0].message)
+    assert "0 (ParametrizedLinear: remove its parametrizations first (torch.nn.utils.parametrize." in message
+    assert "1 (LazyLinear: run a forward first, which gives it a weight)" in message
+    model(torch.randn(2, 4))  # the lazy layer becomes an nn.Linear
+    snack.sparsify(model, 0.5, exclude="0")
+    assert isinstance(model[1], SparseLinear)
+
+
 def test_sparsify_converts_a_shared_layer_once_for_all_its_places():
     shared = nn.Linear(16, 16)
     model = snack.sparsify(nn.Sequential(shared, nn.ReLU(), shared), 0.5)
