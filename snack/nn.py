@@ -337,6 +337,20 @@ class SparseLinear(nn.Module):
             self.row, self.col = row.to(self.row.device), col.to(self.col.device)
         return module
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        # code written for nn.Linear (loggers, nn.TransformerEncoderLayer's eval fast path)
+        raise AttributeError(
+            "SparseLinear has no dense weight: it holds `values` at (`row`, `col`); `to_dense()` builds the "
+            "(out_features, in_features) weight, snack.densify(model) turns the layers back into nn.Linear. "
+            "(nn.TransformerEncoderLayer reads .weight in its eval fast path: "
+            "torch.backends.mha.set_fastpath_enabled(False) turns it off.)"
+        )
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, input: Tensor) -> Tensor:

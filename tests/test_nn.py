@@ -828,6 +828,15 @@ def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
     assert block(x).shape == x.shape  # MultiheadAttention reads out_proj.weight
 
 
+def test_reading_weight_says_what_a_sparse_layer_has_instead():
+    layer = make_layer(3, 4, 0.5)
+    assert not hasattr(layer, "weight") and getattr(layer, "weight", None) is None
+    with pytest.raises(AttributeError, match=r"no dense weight: it holds `values` at \(`row`, `col`\); `to_dense\(\)`"):
+        layer.weight
+    with pytest.raises(AttributeError, match="'SparseLinear' object has no attribute 'wieght'"):
+        layer.wieght
+
+
 def test_sparsify_says_how_to_convert_a_parametrized_or_lazy_linear():
     model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.LazyLinear(3))
     with pytest.warns(UserWarning) as caught:
