@@ -244,6 +244,16 @@ def test_use_backend_unknown_name():
         snack.use_backend("nope")
 
 
+def test_use_backend_decorates_a_function_as_a_context_manager_does():
+    @snack.use_backend("reference")
+    def forced(depth):
+        inner = forced(depth - 1) if depth else None
+        return snack.backends.forced_backend(), inner
+
+    assert forced(2) == ("reference", ("reference", ("reference", None)))  # recursion nests the blocks
+    assert snack.backends.forced_backend() is None
+
+
 def test_use_backend_called_without_with_warns_that_it_forced_nothing():
     with pytest.warns(RuntimeWarning, match=r"use_backend\('reference'\) forces the backend only inside a `with`"):
         snack.use_backend("reference")

@@ -186,15 +186,23 @@ class _Forcing:
         _FORCED.reset(self.token)
 
 
-class _BackendChoice(_Forcing):
-    """What :func:`use_backend` returns: a :class:`_Forcing` that says so when it is dropped
-    without being entered (``snack.use_backend("reference")`` as a statement does nothing)."""
+class _BackendChoice(_Forcing, contextlib.ContextDecorator):
+    """What :func:`use_backend` returns: a :class:`_Forcing` that is also a decorator, as a
+    ``contextlib.contextmanager`` is, and says so when it is dropped without being used
+    (``snack.use_backend("reference")`` as a statement does nothing)."""
 
     entered = False
 
     def __enter__(self) -> None:
         self.entered = True
         super().__enter__()
+
+    def __call__(self, function):
+        self.entered = True
+        return super().__call__(function)
+
+    def _recreate_cm(self) -> _Forcing:
+        return _Forcing(self.name)  # one per call of a decorated function: recursion nests them
 
     def __del__(self) -> None:
         if not self.entered:
