@@ -106,9 +106,11 @@ class SparseLinear(nn.Module):
         self.register_buffer("col", col)
         self.values = nn.Parameter(values)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        # what _topology was built from (see topology); both built now, for compiled code
-        self._topology: Topology | None = self._derived_topology(row, col)
-        self._topology_key: tuple | None = _buffers_key(row, col)
+        # Built on first use, not here: compiled code trusts a cached topology whose row/col are
+        # the same tensors, and DDP's first broadcast (rank 0's topology) changes them in place
+        # between here and that use. Rewires and loads build it, for compiled code, at once.
+        self._topology: Topology | None = None
+        self._topology_key: tuple | None = None  # what _topology was built from (see topology)
 
     # ------------------------------------------------------------------ constructors
 
@@ -328,13 +330,14 @@ class SparseLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
         # on its own, traced code would not)
-        self._topology = None
         row, col = self.row, self.col
         module = super()._apply(fn, recurse)
         if self.row.dtype != torch.int32:
             # nn.Module.type(dtype) casts integer buffers too (float16 would even round them):
             # the coordinates stay int32, on the device fn chose
             self.row, self.col = row.to(self.row.device), col.to(self.col.device)
+        if self.row is not row or self.col is not col:  # kept by .float(), .to(its own device)
+            self._topology = None
         return module
 
     def __getattr__(self, name: str):
@@ -390,11 +393,13 @@ class SparseLinear(nn.Module):
             return bool(input.shape[-1] != self.in_features)
 
     def _fx_forward(self, input):
-        """The forward ``torch.fx.symbolic_trace`` records: one ``call_module`` node, as for
-        ``nn.Linear`` (the program calls the layer itself, so its hooks run and it follows rewires),
-        or, for the traced root itself (or a layer the root does not hold), one call on its tensors."""
-        # the tracer, from the input or else (a buffer, a tensor made in forward) from the values,
-        # which tracing turns into a Proxy (a get_attr node, left unused then)
+        """The forward ``torch.fx.symbolic_trace`` records: one call of this layer's ``forward``,
+        which the program reaches through the layer itself (a ``get_attr`` node), so it computes
+        with the layer's connections of the moment, after rewires too. (The tracer has run the
+        layer's hooks, and records them around that call, as for any module it enters.) The traced
+        root, or a layer the root does not hold, records one call on its tensors instead."""
+        # the tracer: the input's, or (a buffer, a tensor made in forward) the values', which
+        # tracing turns into a Proxy (a get_attr node, left unused then)
         proxy = input if isinstance(input, torch.fx.Proxy) else self.values
         tracer = proxy.tracer if isinstance(proxy, torch.fx.Proxy) else None
         try:
@@ -402,7 +407,7 @@ class SparseLinear(nn.Module):
         except NameError:
             path = None
         if path:
-            return tracer.create_proxy("call_module", path, (input,), {})
+            return _fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input)
         shape = (self.out_features, self.in_features)
         return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
 
@@ -583,7 +588,15 @@ def _fx_sparse_linear(
     return sparse_linear(x, values, topology, bias)
 
 
-torch.fx.wrap("_fx_sparse_linear")  # symbolic_trace records calls to it instead of tracing into it
+def _fx_layer_forward(layer: SparseLinear, x: Tensor) -> Tensor:
+    """``layer.forward(x)``: what a program made by ``torch.fx.symbolic_trace`` calls for a layer
+    its root holds (see :meth:`SparseLinear._fx_forward`)."""
+    return layer.forward(x)
+
+
+# symbolic_trace records calls to these instead of tracing into them
+torch.fx.wrap("_fx_sparse_linear")
+torch.fx.wrap("_fx_layer_forward")
 
 
 def _fx_symbolic_tracing() -> bool:

@@ -252,6 +252,12 @@ def test_use_backend_decorates_a_function_as_a_context_manager_does():
 
     assert forced(2) == ("reference", ("reference", ("reference", None)))  # recursion nests the blocks
     assert snack.backends.forced_backend() is None
+    choice = snack.use_backend("reference")
+    with choice:
+        with choice:  # entered again inside its own block: the outer exit restored nothing before
+            pass
+        assert snack.backends.forced_backend() == "reference"
+    assert snack.backends.forced_backend() is None
 
 
 def test_use_backend_called_without_with_warns_that_it_forced_nothing():

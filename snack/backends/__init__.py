@@ -178,12 +178,13 @@ def forcing(name: str | None) -> contextlib.AbstractContextManager:
 class _Forcing:
     def __init__(self, name: str):
         self.name = name
+        self.tokens: list = []  # a stack: one object may be entered again inside its own block
 
     def __enter__(self) -> None:
-        self.token = _FORCED.set(self.name)
+        self.tokens.append(_FORCED.set(self.name))
 
     def __exit__(self, *exc_info) -> None:
-        _FORCED.reset(self.token)
+        _FORCED.reset(self.tokens.pop())
 
 
 class _BackendChoice(_Forcing, contextlib.ContextDecorator):
