@@ -892,6 +892,8 @@ def test_rigl_through_a_model_compiled_without_hook_guards_says_what_to_set():
     # Dynamo skips guards on module hooks by default: a graph compiled before RigL armed its hooks
     # never runs them, and the update found nothing recorded
     model = _model()
+    model(_batches(1)[0][0])  # one eager call first, so that the compiled call is one graph
+    torch._dynamo.reset()
     compiled = torch.compile(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.RigL(model, opt, update_every=2, total_steps=10)
