@@ -332,7 +332,7 @@ class _SparseLinearFunction(torch.autograd.Function):
     autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
     step at 99% sparsity. This one autograd node runs the same backend kernels on inputs
     :func:`sparse_linear` has checked, for a fraction of that (a 64×64 training step takes about
-    1.25× ``nn.Linear``'s, one thread: ``benchmarks/eager_overhead.txt``). Tracing (``torch.compile``) uses the custom ops, which have fake
+    1.3× ``nn.Linear``'s, one thread: ``benchmarks/eager_overhead.txt``). Tracing (``torch.compile``) uses the custom ops, which have fake
     implementations.
     """
 
