@@ -9,15 +9,13 @@ Both variants run in one process, interleaved sample by sample, with the lead-in
 
 from __future__ import annotations
 
-import datetime
-import statistics
 from pathlib import Path
 
 import torch
 
 import snack
-from snack.bench.cli import machine_line
-from snack.bench.timing import Timer
+from snack.bench.report import format_comparison
+from snack.bench.timing import interleaved_medians
 
 SIZE, SPARSITY, SAMPLES = 4096, 0.9, 15
 OUT = Path(__file__).with_name("compile_overhead.txt")
@@ -37,32 +35,20 @@ def main() -> None:
         layer.values.grad = layer.bias.grad = None
         model(x32).sum().backward()
 
+    calls = {"inference, batch 1": inference, "training step, batch 32": training_step}
     cases = {
-        (case, name): Timer(lambda run=run, model=model: run(model), torch.device("cpu"))
-        for case, run in (("inference, batch 1", inference), ("training step, batch 32", training_step))
+        (call, name): lambda run=run, model=model: run(model)
+        for call, run in calls.items()
         for name, model in (("eager", layer), ("compiled", compiled))
     }
-    for timer in cases.values():
-        timer.warm_up()  # the compiled variants compile here
-    samples = {key: [] for key in cases}
-    for _ in range(SAMPLES):
-        for key, timer in cases.items():
-            samples[key].append(timer.sample())
-    medians = {key: statistics.median(values) * 1e3 for key, values in samples.items()}
+    # (the compiled variants compile in the warm-up)
+    seconds = interleaved_medians(cases, torch.device("cpu"), SAMPLES)
+    medians = {key: value * 1e3 for key, value in seconds.items()}
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"{stamp} · {machine_line(torch.device('cpu'))}",
-        f"SparseLinear {SIZE}x{SIZE} at sparsity {SPARSITY}, medians of {SAMPLES} interleaved samples",
-        "",
-        "| call | eager ms | compiled ms | compiled / eager |",
-        "|---|---|---|---|",
-    ]
-    for case in ("inference, batch 1", "training step, batch 32"):
-        eager, compiled_ms = medians[(case, "eager")], medians[(case, "compiled")]
-        lines.append(f"| {case} | {eager:.3f} | {compiled_ms:.3f} | {compiled_ms / eager:.2f} |")
-    OUT.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    setting = f"SparseLinear {SIZE}x{SIZE} at sparsity {SPARSITY}, medians of {SAMPLES} interleaved samples"
+    text = format_comparison(setting, "ms", ("eager", "compiled"), medians, list(calls), 3)
+    print(text, end="")
+    OUT.write_text(text)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ with the lead-in of :class:`snack.bench.timing.Timer`; the figures are medians o
 
 from __future__ import annotations
 
-import datetime
-import statistics
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import snack
-from snack.bench.cli import machine_line
-from snack.bench.timing import Timer
+from snack.bench.report import format_comparison
+from snack.bench.timing import interleaved_medians
 
 SIZE, SPARSITY, BATCH, SAMPLES = 64, 0.9, 32, 15
 OUT = Path(__file__).with_name("eager_overhead.txt")
@@ -43,31 +41,17 @@ def main() -> None:
             parameter.grad = None
         layer(x_grad).sum().backward()
 
+    calls = {"no-grad forward": inference, "training step": training_step}
     cases = {
-        (case, name): Timer(lambda run=run, layer=layer: run(layer), torch.device("cpu"))
-        for case, run in (("no-grad forward", inference), ("training step", training_step))
+        (call, name): lambda run=run, layer=layer: run(layer)
+        for call, run in calls.items()
         for name, layer in layers.items()
     }
-    for timer in cases.values():
-        timer.warm_up()
-    samples = {key: [] for key in cases}
-    for _ in range(SAMPLES):
-        for key, timer in cases.items():
-            samples[key].append(timer.sample())
-    medians = {key: statistics.median(values) * 1e6 for key, values in samples.items()}
+    seconds = interleaved_medians(cases, torch.device("cpu"), SAMPLES)
+    medians = {key: value * 1e6 for key, value in seconds.items()}
 
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        f"{stamp} · {machine_line(torch.device('cpu'))}",
-        f"{SIZE}x{SIZE} at sparsity {SPARSITY}, batch {BATCH}, medians of {SAMPLES} interleaved samples",
-        "",
-        "| call | SparseLinear µs | nn.Linear µs | SparseLinear / nn.Linear |",
-        "|---|---|---|---|",
-    ]
-    for case in ("no-grad forward", "training step"):
-        sparse, dense = medians[(case, "SparseLinear")], medians[(case, "nn.Linear")]
-        lines.append(f"| {case} | {sparse:.1f} | {dense:.1f} | {sparse / dense:.2f} |")
-    text = "\n".join(lines) + "\n"
+    setting = f"{SIZE}x{SIZE} at sparsity {SPARSITY}, batch {BATCH}, medians of {SAMPLES} interleaved samples"
+    text = format_comparison(setting, "µs", ("nn.Linear", "SparseLinear"), medians, list(calls), 1)
     print(text, end="")
     OUT.write_text(text)
 

@@ -130,3 +130,30 @@ def write_plot(path: Path, times: list[TimeRecord], title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def format_comparison(
+    setting: str, unit: str, names: tuple[str, str], medians: dict, cases: list[str], digits: int
+) -> str:
+    """The text the small benchmark scripts (``benchmarks/*_overhead.py``) print and save: a
+    line with the time and machine, ``setting``, and a table of each case's medians
+    (``medians[(case, name)]``, in ``unit``) for the two ``names`` and the second over the first."""
+    import datetime
+
+    import torch
+
+    from snack.bench.cli import machine_line  # (it imports this module)
+
+    first, second = names
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"{stamp} · {machine_line(torch.device('cpu'))}",
+        setting,
+        "",
+        f"| call | {first} {unit} | {second} {unit} | {second} / {first} |",
+        "|---|---|---|---|",
+    ]
+    for case in cases:
+        a, b = medians[(case, first)], medians[(case, second)]
+        lines.append(f"| {case} | {a:.{digits}f} | {b:.{digits}f} | {b / a:.2f} |")
+    return "\n".join(lines) + "\n"

@@ -67,3 +67,17 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int) ->
     timer = Timer(fn, device)
     timer.warm_up()
     return statistics.median(timer.sample() for _ in range(repeats))
+
+
+def interleaved_medians(functions: dict, device: torch.device, samples: int) -> dict:
+    """Median seconds per call of each of ``functions`` (key → callable): every one warmed up,
+    then ``samples`` rounds taking one sample of each in turn, so that the machine's drift
+    reaches them alike."""
+    timers = {key: Timer(fn, device) for key, fn in functions.items()}
+    for timer in timers.values():
+        timer.warm_up()
+    taken: dict = {key: [] for key in timers}
+    for _ in range(samples):
+        for key, timer in timers.items():
+            taken[key].append(timer.sample())
+    return {key: statistics.median(values) for key, values in taken.items()}
