@@ -33,15 +33,27 @@ def device_argument(text: str) -> torch.device:
     return device
 
 
-def positive_int(text: str) -> int:
-    """An argparse ``type``: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def whole_number(low: int, high: int | None = None):
+    """An argparse ``type``: a whole number in ``[low, high)`` (no upper bound for ``None``)."""
+    if high is None:
+        bounds = f">= {low}"
+    else:  # a large power of two as one (2**63, not 9223372036854775808)
+        shown = f"2**{high.bit_length() - 1}" if high > 1 << 16 and high & (high - 1) == 0 else str(high)
+        bounds = f"in [{low}, {shown})"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number {bounds}, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = whole_number(1)
 
 
 def sparsity_argument(text: str) -> float:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 import snack
-from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device
+from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device, whole_number
 from snack.data import Digits, load_digits
 from snack.distributions import layer_sparsities
 
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
     parser.add_argument("--drop-fraction", type=_fraction, default=0.3, help="DST drop fraction (default: 0.3)")
     parser.add_argument("--update-every", type=positive_int, default=50, help="steps between DST updates (default: 50)")
-    parser.add_argument("--seed", type=_seed, default=0, help="seed of init, data order and DST (default: 0)")
+    parser.add_argument("--seed", type=whole_number(0, 2**63), default=0,
+                        help="seed of init, data order and DST (default: 0)")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="use only this many training examples (quick runs)")
     parser.add_argument("--compare", action="store_true", help="also train dense and Dense+Mask models and print a table")
@@ -76,16 +77,6 @@ def _fraction(text: str) -> float:
     value = _number(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
     return value
 
 
