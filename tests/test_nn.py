@@ -190,7 +190,7 @@ def test_torch_fx_symbolic_trace_records_one_call_per_layer_through_the_layer():
     model = nn.Sequential(layer, nn.ReLU(), make_layer(4, 12, 0.5, bias=False))
     traced = torch.fx.symbolic_trace(model)
     nodes = [(node.op, node.target) for node in traced.graph.nodes if node.op not in ("placeholder", "output")]
-    forward = snack.nn._fx_layer_forward
+    forward = snack.nn.tracing.fx_layer_forward
     assert nodes == [
         ("get_attr", "0"), ("call_function", forward), ("call_module", "1"), ("get_attr", "2"), ("call_function", forward)
     ]  # fmt: skip
@@ -243,7 +243,7 @@ def test_fx_traces_a_layer_applied_to_a_buffer_or_a_tensor_made_in_forward():
 
     model = Model()
     traced = torch.fx.symbolic_trace(model)
-    assert sum(node.target is snack.nn._fx_layer_forward for node in traced.graph.nodes) == 2
+    assert sum(node.target is snack.nn.tracing.fx_layer_forward for node in traced.graph.nodes) == 2
     x = torch.randn(3, dtype=torch.float64)
     torch.testing.assert_close(traced(x), model(x))
 
@@ -1052,7 +1052,7 @@ def test_a_failed_allocation_in_set_topology_leaves_the_layer_whole(monkeypatch)
     def failing(*args):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr(snack.nn, "_data_swap", failing)
+    monkeypatch.setattr(snack.nn.layer, "_data_swap", failing)
     with pytest.raises(torch.OutOfMemoryError):
         layer.set_topology(layer.row[:3].clone(), layer.col[:3].clone())
     after = layer.state_dict()
@@ -1254,7 +1254,7 @@ def test_a_child_forked_while_another_thread_changes_a_layer_can_use_it():
         layer = snack.SparseLinear(5, 6, sparsity=0.5)
         held, release = threading.Event(), threading.Event()
         def hold():
-            with snack.nn._STATE_LOCK, snack.backends.derived._LOCK:
+            with snack.nn.locking.STATE_LOCK, snack.backends.derived._LOCK:
                 held.set()
                 release.wait()
         threading.Thread(target=hold, daemon=True).start()

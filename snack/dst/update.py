@@ -15,7 +15,7 @@ from torch import Tensor
 
 from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.dst.prune_grow import linear_index
-from snack.nn import SparseLinear, _NewTopology
+from snack.nn.layer import SparseLinear, _NewTopology
 
 __all__ = ["Rewiring", "plan_rewire", "rewire"]
 

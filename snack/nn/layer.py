@@ -1,25 +1,19 @@
-"""``SparseLinear``, a truly sparse drop-in for ``nn.Linear``, and ``sparsify`` / ``densify``."""
+"""``SparseLinear``, a truly sparse drop-in for ``nn.Linear``."""
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import os
-import sys
-import threading
 import warnings
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from snack.backends.derived import derived, held
-from snack.distributions import layer_sparsities
+from snack.backends.derived import held
 from snack.func import transforms_active
-from snack.ops import _sparse_linear, autocast_inputs, sparse_linear
+from snack.nn import locking, tracing
+from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import (
-    INDEX_DTYPE,
     Topology,
     check_shape,
     check_shape_pair,
@@ -30,24 +24,16 @@ from snack.topology import (
     validate_coo,
 )
 
-__all__ = ["SparseLinear", "densify", "sparsify"]
+__all__ = ["SparseLinear"]
 
 # state_dict format: 2 stores _extra_state as a tensor (1: a dict)
 _STATE_VERSION = 2
 
-# Held while a layer's connections change (set_topology, load_state_dict) and while a forward
-# takes its snapshot of them (SparseLinear._consistent_state). One lock for every layer: it is
-# held for microseconds by readers, and it needs no copying with a layer (pickle, deepcopy).
-_STATE_LOCK = threading.RLock()
-
-
-def _new_state_lock() -> None:
-    # a child forked while another thread held the lock would otherwise wait for it forever
-    global _STATE_LOCK
-    _STATE_LOCK = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_new_state_lock)
+# why a layer with forward pre-hooks is not converted (from_dense refuses it, sparsify leaves it dense)
+PRE_HOOKS_REASON = (
+    "it has forward pre-hooks, which may recompute .weight at each forward (torch.nn.utils.prune, weight_norm, "
+    "spectral_norm), so .weight may be stale, and a sparse layer would not carry them"
+)
 
 
 class SparseLinear(nn.Module):
@@ -140,7 +126,9 @@ class SparseLinear(nn.Module):
             if bias is not None:
                 raise ValueError("bias must not be given with an nn.Linear; its own bias is used")
             if linear_or_weight._forward_pre_hooks:
-                raise ValueError(f"linear_or_weight: {_PRE_HOOKS}; remove them first (e.g. prune.remove(linear, 'weight'))")
+                raise ValueError(
+                    f"linear_or_weight: {PRE_HOOKS_REASON}; remove them first (e.g. prune.remove(linear, 'weight'))"
+                )
             weight, bias = linear_or_weight.weight, linear_or_weight.bias
         elif isinstance(linear_or_weight, Tensor):
             weight = linear_or_weight
@@ -242,7 +230,7 @@ class SparseLinear(nn.Module):
                 "must share one topology: vmap over the parameters only and pass the buffers unbatched "
                 "(in_dims=None), e.g. torch.func.stack_module_state's params with one member's buffers"
             )
-        with _STATE_LOCK:  # rebuilds see the current row/col, one at a time: none stores a stale topology
+        with locking.STATE_LOCK:  # rebuilds see the current row/col, one at a time: none stores a stale topology
             key, cached, row, col = self._topology_key, self._topology, self.row, self.col
             if cached is None or not _built_from(key, row, col):
                 try:
@@ -322,7 +310,7 @@ class SparseLinear(nn.Module):
     def _commit_topology(self, new: _NewTopology) -> None:
         """Install a prepared topology: only reference swaps, nothing that allocates, so a
         multi-layer update (snack.dst) cannot stop half-way."""
-        with _STATE_LOCK:  # forwards in other threads see all of the change or none (_consistent_state)
+        with locking.STATE_LOCK:  # forwards in other threads see all of the change or none (_consistent_state)
             self.row, self.col = new.row, new.col
             _replace_data(self.values, new.values, new.swap)
             self._topology, self._topology_key = new.topology, _buffers_key(new.row, new.col)
@@ -357,7 +345,7 @@ class SparseLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, input: Tensor) -> Tensor:
-        if _fx_symbolic_tracing():
+        if tracing.fx_symbolic_tracing():
             return self._fx_forward(input)
         if not isinstance(input, Tensor):
             raise TypeError(f"SparseLinear expects a Tensor input, got {type(input).__name__}")
@@ -407,9 +395,9 @@ class SparseLinear(nn.Module):
         except NameError:
             path = None
         if path:
-            return _fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input)
+            return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input)
         shape = (self.out_features, self.in_features)
-        return _fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
+        return tracing.fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
 
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
         """``(values, bias, topology)`` of one complete state of the layer, for a forward.
@@ -425,7 +413,7 @@ class SparseLinear(nn.Module):
         """
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
             return self.values, self.bias, self.topology
-        with _STATE_LOCK:
+        with locking.STATE_LOCK:
             values = self.values
             # the cached topology when it is current (what the topology property would return,
             # without its checks for compiling and tracing, made above)
@@ -533,7 +521,7 @@ class SparseLinear(nn.Module):
             # coordinates (the README's Limits)
             row = row.to(device=self.row.device, dtype=torch.int32)
             col = col.to(device=self.col.device, dtype=torch.int32)
-            with _STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
+            with locking.STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
                 self.row.copy_(row)
                 self.col.copy_(col)
                 self._topology = self._derived_topology(self.row, self.col)
@@ -574,62 +562,6 @@ class SparseLinear(nn.Module):
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
         super().__setstate__(state)
-
-
-def _fx_sparse_linear(
-    x: Tensor, values: Tensor, bias: Tensor | None, row: Tensor, col: Tensor, out_features: int, in_features: int
-) -> Tensor:
-    """A :class:`SparseLinear` forward as ``torch.fx.symbolic_trace`` records it: one call taking
-    the layer's tensors (``get_attr`` nodes), so FX-based tools (feature extractors, graph
-    rewriters) see the layer as one node, as they see ``nn.Linear``. The index data are derived
-    as in traced programs (:func:`_topology_index_data`, cached per row/col)."""
-    shape = (out_features, in_features)
-    topology = Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
-    return sparse_linear(x, values, topology, bias)
-
-
-def _fx_layer_forward(layer: SparseLinear, x: Tensor) -> Tensor:
-    """``layer.forward(x)``: what a program made by ``torch.fx.symbolic_trace`` calls for a layer
-    its root holds (see :meth:`SparseLinear._fx_forward`)."""
-    return layer.forward(x)
-
-
-# symbolic_trace records calls to these instead of tracing into them
-torch.fx.wrap("_fx_sparse_linear")
-torch.fx.wrap("_fx_layer_forward")
-
-
-def _fx_symbolic_tracing() -> bool:
-    """Whether ``torch.fx.symbolic_trace`` runs (its flag is also set under ``torch.export``,
-    which compiles; torch 2.13's ``is_fx_symbolic_tracing``, read directly for older versions)."""
-    return torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
-
-
-@torch.library.custom_op("snack::topology_index_data", mutates_args=())
-def _topology_index_data(row: Tensor, col: Tensor, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rowptr, colptr, csc_perm)`` of ``row``/``col``, validated, as :class:`Topology` derives
-    them: what traced and exported programs call (see :attr:`SparseLinear.topology`). Built once
-    per ``row``/``col`` (identity and version, :func:`snack.backends.derived.derived`) and
-    returned as copies, which the program may write into (a compiler reuses buffers)."""
-    shape = (out_features, in_features)
-
-    def build() -> Tensor:
-        # validates (a program may hold any loaded coordinates), under the lock a same-nnz
-        # load_state_dict holds while it copies into the layer's row/col, whose tensors a traced
-        # program holds: never a half-copied state (it raised spurious "not sorted" errors)
-        with _STATE_LOCK:
-            topology = Topology(row, col, shape)
-        return torch.cat([topology.rowptr, topology.colptr, topology.csc_perm])
-
-    # the shape is part of the key: one row/col pair may serve layers of other shapes
-    packed = derived(f"topology_index_data/{out_features}x{in_features}", (row, col), build)
-    return tuple(part.clone() for part in packed.split([out_features + 1, in_features + 1, row.numel()]))
-
-
-@_topology_index_data.register_fake
-def _(row, col, out_features, in_features):
-    index = dict(dtype=INDEX_DTYPE, device=row.device)  # what Topology derives, whatever row/col's dtype
-    return torch.empty(out_features + 1, **index), torch.empty(in_features + 1, **index), torch.empty(col.shape[0], **index)
 
 
 def _is_batched(tensor: Tensor) -> bool:
@@ -739,254 +671,3 @@ def _check_values(values: Tensor, row: Tensor) -> None:
         raise TypeError(f"values must be floating point, got dtype {values.dtype}")
     if values.shape != (row.numel(),):
         raise ValueError(f"values must have shape ({row.numel()},) to match row/col, got {tuple(values.shape)}")
-
-
-# ---------------------------------------------------------------------- model conversion
-
-
-def _conv1d_class():
-    """``transformers``' ``Conv1D`` if transformers is already imported (a model using it is)."""
-    module = sys.modules.get("transformers.pytorch_utils")
-    return getattr(module, "Conv1D", None)
-
-
-# why a layer with forward pre-hooks is not converted
-_PRE_HOOKS = (
-    "it has forward pre-hooks, which may recompute .weight at each forward (torch.nn.utils.prune, weight_norm, "
-    "spectral_norm), so .weight may be stale, and a sparse layer would not carry them"
-)
-
-
-def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight (out, in), bias)`` of a layer ``sparsify`` converts, else ``None``."""
-    if type(module) is nn.Linear:  # not subclasses: see sparsify
-        return module.weight, module.bias
-    conv1d = _conv1d_class()
-    if conv1d is not None and isinstance(module, conv1d):
-        return module.weight.t(), module.bias  # Conv1D stores (in, out): y = x @ weight + bias
-    return None
-
-
-def _subclass_hint(linear: nn.Linear) -> str:
-    """What makes a subclass of ``nn.Linear`` convertible, where something can (``sparsify`` leaves
-    subclasses dense)."""
-    if torch.nn.utils.parametrize.is_parametrized(linear):  # weight_norm, spectral_norm, orthogonal, ...
-        return ": remove its parametrizations first (torch.nn.utils.parametrize.remove_parametrizations)"
-    if isinstance(linear, nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
-        return ": run a forward first, which gives it a weight"
-    return ""
-
-
-def _selected(names: list[str], include: Iterable[str] | None, exclude: Iterable[str] | None) -> bool:
-    """Whether a module reachable under ``names`` (several when shared) is converted: one of its
-    names is included, and none is excluded."""
-
-    def matches(patterns: Iterable[str]) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for name in names for p in patterns)
-
-    return (include is None or matches(include)) and not (exclude is not None and matches(exclude))
-
-
-def _patterns(value, name: str) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    patterns = list(value)
-    if not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"{name} must be a glob pattern or a list of them, got {value!r}")
-    return patterns
-
-
-def _modules_by_identity(root: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
-    """Each distinct submodule of ``root`` with every qualified name it is reachable under (a
-    module shared between two places has two), in ``named_modules`` order."""
-    found: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, child in root.named_modules(remove_duplicate=False):
-        found.setdefault(id(child), (child, []))[1].append(name)
-    return found
-
-
-def _parameter_owners(modules: dict[int, tuple[nn.Module, list[str]]]) -> dict[int, list[str]]:
-    """``id(parameter)`` → the qualified names of every module that holds it directly (more than
-    one module's names for a tied weight)."""
-    owners: dict[int, list[str]] = {}
-    for child, names in modules.values():
-        for parameter in child._parameters.values():
-            if parameter is not None:
-                owners.setdefault(id(parameter), []).extend(names)
-    return owners
-
-
-def _install(root: nn.Module, converted: dict[str, nn.Module]) -> nn.Module:
-    """Put each ``converted[name]`` in place of ``root``'s submodule ``name``; return the new root."""
-    if "" in converted:
-        return converted[""]
-    for name, new in converted.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
-    return root
-
-
-def _keep_module_state(new: nn.Module, old: nn.Module, pairs: list[tuple[Tensor | None, Tensor | None]]) -> None:
-    """Give ``new`` the training mode of ``old`` and, for each ``(new parameter, old parameter)``,
-    the old one's ``requires_grad`` (a frozen layer stays frozen)."""
-    new.train(old.training)
-    for new_param, old_param in pairs:
-        if new_param is not None and old_param is not None:
-            new_param.requires_grad_(old_param.requires_grad)
-
-
-def sparsify(
-    module: nn.Module,
-    sparsity: float = 0.9,
-    *,
-    distribution: str = "uniform",
-    include: str | Iterable[str] | None = None,
-    exclude: str | Iterable[str] | None = None,
-    init: str = "magnitude",
-) -> nn.Module:
-    """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, in place.
-
-    Args:
-        sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
-        distribution: how that sparsity is spread over layers (see :mod:`snack.distributions`).
-        include, exclude: glob patterns on qualified module names (``"encoder.*"``); a layer is
-            converted when it matches some ``include`` (default: all) and no ``exclude``.
-        init: ``"magnitude"`` keeps each layer's largest-magnitude weights; ``"random"`` draws a
-            fresh random topology and variance-preserving init.
-
-    Returns:
-        ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
-
-    Each new layer keeps its predecessor's training mode and frozen parameters; a layer shared
-    between places becomes one shared :class:`SparseLinear` (selected when one of its names is
-    included and none excluded). Hooks registered on a replaced layer are not carried over; a
-    layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
-    may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
-    another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
-    Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
-    (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
-    deliberately with :meth:`SparseLinear.from_dense`.
-    """
-    include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
-    if init not in ("magnitude", "random"):
-        raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
-    targets, subclassed, hooked, tied = {}, [], [], []
-    modules = _modules_by_identity(module)
-    owners = _parameter_owners(modules)
-    for child, names in modules.values():
-        if not _selected(names, include, exclude):
-            continue
-        if (wb := _dense_weight_and_bias(child)) is not None:
-            parameters = [p for p in child._parameters.values() if p is not None]
-            shared_with = sorted({other for p in parameters for other in owners[id(p)] if other not in names})
-            if child._forward_pre_hooks:
-                hooked.append(names[0] or "(root)")
-            elif shared_with:
-                tied.append(f"{names[0] or '(root)'} (with {', '.join(shared_with)})")
-            else:
-                targets[names[0]] = (child, names, *wb)
-        elif isinstance(child, nn.Linear):
-            subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__}{_subclass_hint(child)})")
-    if subclassed:
-        warnings.warn(
-            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
-            "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
-            "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
-            stacklevel=2,
-        )
-    if hooked:
-        warnings.warn(
-            f"sparsify left {len(hooked)} layer(s) dense: {', '.join(hooked)}: {_PRE_HOOKS}. Remove the hooks "
-            "first (e.g. prune.remove(layer, 'weight')), or exclude the layers to silence this warning.",
-            stacklevel=2,
-        )
-    if tied:
-        warnings.warn(
-            f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
-            f"{', '.join(tied)}. A sparse copy would untie them (GPT-2's lm_head shares wte's weight); exclude the "
-            "layers to silence this warning.",
-            stacklevel=2,
-        )
-    _warn_about_what_sparsify_missed(modules, include, exclude, targets)
-    shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
-    per_layer = layer_sparsities(shapes, sparsity, distribution)
-    converted = {}
-    for name, (child, names, weight, bias) in targets.items():
-        if init == "magnitude":
-            layer = SparseLinear.from_dense(weight, sparsity=per_layer[name], bias=bias)
-        else:
-            out_features, in_features = weight.shape
-            layer = SparseLinear(
-                in_features, out_features, bias is not None, sparsity=per_layer[name], device=weight.device, dtype=weight.dtype
-            )
-        _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
-        converted.update(dict.fromkeys(names, layer))
-    return _install(module, converted)
-
-
-def _warn_about_what_sparsify_missed(
-    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None, targets: dict
-) -> None:
-    """Warn where a sparsify call is likely not what its caller meant: a pattern that names no
-    module (``"fc*"`` for ``"0.fc"``), nothing to convert (e.g. a second call meant to raise the
-    sparsity), and layers of PyTorch's transformer layers, whose fast path reads ``.weight``."""
-    names = [name for _, all_names in modules.values() for name in all_names if name]
-    for option, patterns in (("include", include), ("exclude", exclude)):
-        for pattern in patterns or ():
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                warnings.warn(
-                    f"sparsify: {option} pattern {pattern!r} matches no module name (names look like "
-                    f"{', '.join(repr(n) for n in names[:3])}; patterns match whole qualified names)",
-                    stacklevel=3,
-                )
-    if not targets:
-        sparse = sum(isinstance(child, SparseLinear) for child, _ in modules.values())
-        already = (
-            f"; its {sparse} SparseLinear layer(s) keep their sparsity (snack.dst.GradualPruning prunes further)"
-            if sparse else ""
-        )
-        selected = " selected by include/exclude" if include is not None or exclude is not None else ""
-        warnings.warn(
-            f"sparsify converted no layer: the model holds no nn.Linear{selected} that it may convert{already}",
-            stacklevel=3,
-        )
-    by_name = {name: child for child, all_names in modules.values() for name in all_names}
-    transformer_layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    in_transformer_layers = [
-        name for name, (_, layer_names, _, _) in targets.items()
-        if any(isinstance(by_name[n.rpartition(".")[0]], transformer_layers) for n in layer_names if n)
-    ]  # fmt: skip
-    if in_transformer_layers:
-        warnings.warn(
-            "sparsify converted layers of nn.TransformerEncoderLayer/DecoderLayer "
-            f"({', '.join(in_transformer_layers)}): "
-            "in eval mode their fast path reads linear1.weight, which a SparseLinear does not have; call "
-            "torch.backends.mha.set_fastpath_enabled(False) before evaluating",
-            stacklevel=3,
-        )
-
-
-def densify(module: nn.Module) -> nn.Module:
-    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear``, in place
-    (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
-
-    Returns ``module``, or a new ``nn.Linear`` when ``module`` is itself a ``SparseLinear``.
-    """
-    converted = {}
-    for child, names in _modules_by_identity(module).values():
-        if isinstance(child, SparseLinear):
-            # uninitialised, then written in place: no second dense copy, no init overwritten at once
-            dense = nn.utils.skip_init(
-                nn.Linear, child.in_features, child.out_features, child.bias is not None,
-                device=child.values.device, dtype=child.values.dtype,
-            )
-            with torch.no_grad():
-                dense.weight.zero_().view(-1).index_put_((child._flat_index(),), child.values)
-                if child.bias is not None:
-                    dense.bias.copy_(child.bias)
-            _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])
-            converted.update(dict.fromkeys(names, dense))
-    return _install(module, converted)

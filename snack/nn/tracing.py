@@ -1,0 +1,75 @@
+"""How programs made by tracing (``torch.fx.symbolic_trace``, ``torch.jit.trace``,
+``torch.export``) compute a :class:`~snack.nn.SparseLinear`: the calls FX records for a layer, and
+the custom op ``snack::topology_index_data`` through which a program derives a layer's index
+data from the coordinates it holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from snack.backends.derived import derived
+from snack.nn import locking
+from snack.ops import sparse_linear
+from snack.topology import INDEX_DTYPE, Topology
+
+if TYPE_CHECKING:
+    from snack.nn.layer import SparseLinear
+
+
+def fx_sparse_linear(
+    x: Tensor, values: Tensor, bias: Tensor | None, row: Tensor, col: Tensor, out_features: int, in_features: int
+) -> Tensor:
+    """A :class:`SparseLinear` forward as ``torch.fx.symbolic_trace`` records it: one call taking
+    the layer's tensors (``get_attr`` nodes), so FX-based tools (feature extractors, graph
+    rewriters) see the layer as one node, as they see ``nn.Linear``. The index data are derived
+    as in traced programs (:func:`topology_index_data`, cached per row/col)."""
+    shape = (out_features, in_features)
+    topology = Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
+    return sparse_linear(x, values, topology, bias)
+
+
+def fx_layer_forward(layer: SparseLinear, x: Tensor) -> Tensor:
+    """``layer.forward(x)``: what a program made by ``torch.fx.symbolic_trace`` calls for a layer
+    its root holds (see :meth:`SparseLinear._fx_forward`)."""
+    return layer.forward(x)
+
+
+# symbolic_trace records calls to these instead of tracing into them
+torch.fx.wrap("fx_sparse_linear")
+torch.fx.wrap("fx_layer_forward")
+
+
+def fx_symbolic_tracing() -> bool:
+    """Whether ``torch.fx.symbolic_trace`` runs (its flag is also set under ``torch.export``,
+    which compiles; torch 2.13's ``is_fx_symbolic_tracing``, read directly for older versions)."""
+    return torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
+
+
+@torch.library.custom_op("snack::topology_index_data", mutates_args=())
+def topology_index_data(row: Tensor, col: Tensor, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rowptr, colptr, csc_perm)`` of ``row``/``col``, validated, as :class:`Topology` derives
+    them: what traced and exported programs call (see :attr:`SparseLinear.topology`). Built once
+    per ``row``/``col`` (identity and version, :func:`snack.backends.derived.derived`) and
+    returned as copies, which the program may write into (a compiler reuses buffers)."""
+    shape = (out_features, in_features)
+
+    def build() -> Tensor:
+        # validates (a program may hold any loaded coordinates), under the lock a same-nnz
+        # load_state_dict holds while it copies into the layer's row/col, whose tensors a traced
+        # program holds: never a half-copied state (it raised spurious "not sorted" errors)
+        with locking.STATE_LOCK:
+            topology = Topology(row, col, shape)
+        return torch.cat([topology.rowptr, topology.colptr, topology.csc_perm])
+
+    # the shape is part of the key: one row/col pair may serve layers of other shapes
+    packed = derived(f"topology_index_data/{out_features}x{in_features}", (row, col), build)
+    return tuple(part.clone() for part in packed.split([out_features + 1, in_features + 1, row.numel()]))
+
+
+@topology_index_data.register_fake
+def _(row, col, out_features, in_features):
+    index = dict(dtype=INDEX_DTYPE, device=row.device)  # what Topology derives, whatever row/col's dtype
+    return torch.empty(out_features + 1, **index), torch.empty(in_features + 1, **index), torch.empty(col.shape[0], **index)
