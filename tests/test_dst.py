@@ -132,10 +132,16 @@ def test_rigl_grows_exactly_the_top_gradient_inactive_positions(forward_backward
         dense.bias.copy_(layer.bias)
     forward_backward(dense, x, target)
     assert dst.step()
+    _assert_rigl_update(layer, old_key, old_values, dense.weight.grad, drop_fraction=0.25)
 
-    k = int(0.25 * old_key.numel())
+
+def _assert_rigl_update(layer, old_key, old_values, dense_grad, drop_fraction):
+    """The layer's topology is RigL's update of (old_key, old_values) for the dense gradient
+    ``dense_grad (out, in)``: the smallest |w| dropped, the largest |grad| among positions inactive
+    before the drop grown, at zero."""
+    k = int(drop_fraction * old_key.numel())
     dropped = old_key[old_values.abs().sort(stable=True).indices[:k]]
-    scores = dense.weight.grad.abs().reshape(-1).clone()
+    scores = dense_grad.abs().reshape(-1).clone()
     scores[old_key] = -1  # positions active before the drop are never grown
     grown = scores.topk(k).indices
     expected = (set(old_key.tolist()) - set(dropped.tolist())) | set(grown.tolist())
@@ -143,6 +149,28 @@ def test_rigl_grows_exactly_the_top_gradient_inactive_positions(forward_backward
     assert layer.nnz == old_key.numel()
     new = torch.isin(linear_index(layer.topology), grown)
     assert bool((layer.values[new] == 0).all())
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rigl_scores_the_layers_own_gradient_when_a_forward_hook_changes_its_output(in_place):
+    """A user's forward hook that rescales the output (gating, steering) was registered before
+    RigL's recording hook, which then recorded the gradient with respect to the rescaled output:
+    16 of 30 grown connections were not the top |dL/dW|. RigL's hook now runs first."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(10, 8, sparsity=0.7, dtype=torch.float64)
+    scale = torch.rand(8, dtype=torch.float64) * 10
+    layer.register_forward_hook(lambda module, args, out: out.mul_(scale) if in_place else out * scale)
+    old_key, old_values = linear_index(layer.topology), layer.values.detach().clone()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.RigL(layer, opt, drop_fraction=0.25, update_every=1, total_steps=10, schedule="constant")
+    x, target = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    ((layer(x) - target) ** 2).sum().backward()
+    weight = layer.to_dense().detach().requires_grad_()  # dL/dW of the layer's own weight
+    ((nn.functional.linear(x, weight, layer.bias.detach()) * scale - target) ** 2).sum().backward()
+    torch.testing.assert_close(layer.values.grad, weight.grad.reshape(-1)[old_key])
+    opt.step()
+    assert dst.step()
+    _assert_rigl_update(layer, old_key, old_values, weight.grad, drop_fraction=0.25)
 
 
 def test_a_model_armed_for_rigl_can_be_saved_and_copied():
@@ -1266,3 +1294,24 @@ def test_fresh_optimizer_state_comes_from_the_layers_own_param_group():
         snack.dst.rewire(layer, opt, torch.tensor([1, 2, 7]), grow)
         state = dict(zip(linear_index(layer.topology).tolist(), opt.state[layer.values][key].tolist()))
         assert [state[p] for p in grow.tolist()] == pytest.approx([fresh] * 3), key
+
+
+def test_an_update_step_called_inside_autocast_scores_growth_in_full_precision():
+    """A training step body inside torch.autocast, dst.step() included: RigL's growth scores
+    (dYᵀX) were computed in bfloat16 there, and a few grown connections differed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        snack.SparseLinear(256, 256, sparsity=0.9), nn.Tanh(), snack.SparseLinear(256, 16, sparsity=0.9)
+    )
+    x, target = torch.randn(64, 256), torch.randn(64, 16)
+    topologies = []
+    for inside in (False, True):
+        copy_ = copy.deepcopy(model)
+        opt = torch.optim.SGD(copy_.parameters(), lr=0.0)
+        dst = snack.dst.RigL(copy_, opt, drop_fraction=0.5, update_every=1, total_steps=10, schedule="constant")
+        ((copy_(x) - target) ** 2).sum().backward()
+        opt.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside):
+            assert dst.step()
+        topologies.append([linear_index(layer.topology) for layer in _sparse_layers(copy_)])
+    assert all(torch.equal(a, b) for a, b in zip(*topologies))

@@ -98,6 +98,21 @@ def test_gradient_grow_matches_a_dense_reference(block_elements):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradient_grow_scores_16_bit_records_in_float32(dtype):
+    """Records of a float16 or bfloat16 layer: Σ_b dy·x was formed in their dtype, where float16
+    overflows at 65504 (every large score inf, the picks arbitrary) and bfloat16 rounds close
+    scores together. Scored in float32, the picks are those of the exact gradient."""
+    torch.manual_seed(0)
+    topo = _topology(12, 9, 0.6)
+    # Σ_b dy·x between 80000 and 81600: inf in float16, 4 distinct values in bfloat16 (steps of 512)
+    x, dy = (torch.rand(8, 9) + 100).to(dtype), (torch.rand(8, 12) + 100).to(dtype)
+    dense = (dy.double().t() @ x.double()).reshape(-1)
+    dense[linear_index(topo)] = -1
+    k = 10
+    assert torch.equal(gradient_grow(x, dy, topo, k), dense.topk(k).indices.sort().values)
+
+
 def test_rewire_keeps_invariants_values_and_zero_initialises_new_connections():
     layer = snack.SparseLinear(9, 12, sparsity=0.6)
     old_linear = linear_index(layer.topology)

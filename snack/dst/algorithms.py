@@ -20,6 +20,7 @@ never regrown in the same update (the issue's rule; RigL's reference code may re
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import numbers
@@ -215,12 +216,21 @@ class DynamicSparsity:
         if self._is_update_step(step):
             # Tensors made under inference mode (new values, optimizer state) could not be trained
             # afterwards. inference_mode(False) also turns grad mode on: keep the caller's instead.
+            # Autocast (a step body inside torch.autocast) would score RigL's growth in 16 bits.
             grad_enabled = torch.is_grad_enabled()
-            with torch.inference_mode(False), torch.set_grad_enabled(grad_enabled):
+            with torch.inference_mode(False), torch.set_grad_enabled(grad_enabled), self._autocast_off():
                 changed = self._update(step)
         self.step_count = step
         self._arm()
         return changed
+
+    def _autocast_off(self) -> contextlib.ExitStack:
+        """A context without autocast on the devices of the layers acted on."""
+        stack = contextlib.ExitStack()
+        for device_type in sorted({layer.values.device.type for _, layer in self.layers}):
+            if torch.amp.is_autocast_available(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        return stack
 
     def state_dict(self) -> dict:
         """Step counter, RNG state and configuration: with the model's and optimizer's state

@@ -57,7 +57,8 @@ class GradientCapture:
 
     def _register(self) -> None:
         self._handles[:] = [
-            layer.register_forward_hook(_outside_graphs(_RecordingHook(self, i)), with_kwargs=True)
+            # first: the layer's own output, before any user hook rescales it or changes it in place
+            layer.register_forward_hook(_outside_graphs(_RecordingHook(self, i)), with_kwargs=True, prepend=True)
             for i, layer in enumerate(self.layers)
         ]
 

@@ -117,9 +117,11 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
 
     Args:
         x: ``(B, in)`` layer inputs of the batch.
-        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs.
+        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs. ``x`` and
+            ``dy`` in float16 or bfloat16 are scored in float32.
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
+        block_elements: how many scores one block may hold (a block has at least one row).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -131,7 +133,10 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
         return torch.empty(0, dtype=torch.int64, device=topology.device)
     rowptr = topology.rowptr.tolist()
     row, col = topology.row.to(torch.int64), topology.col.to(torch.int64)
-    dy_t = dy.t()
+    # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores, arbitrary
+    # picks) and bfloat16 rounds close scores into ties
+    score_dtype = torch.promote_types(x.dtype, torch.float32)
+    x, dy_t = x.to(score_dtype), dy.t().to(score_dtype)
     rows_per_block = max(1, block_elements // in_features)
     best_scores = x.new_empty(0)
     best_index = torch.empty(0, dtype=torch.int64, device=x.device)
