@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import snack
 from snack import backends
-from snack.backends import cpu, reference  # importing cpu builds the kernels; a failed build fails here
+from snack.backends import cpu, reference
+from snack.backends.cpu import native  # importing it builds the kernels; a failed build fails here
 from snack.topology import Topology, TopologyTensors, random_coo
 
 OPS = ("spmm", "spmm_t", "sddmm", "spmm_backward")
@@ -64,8 +65,8 @@ def reference_op(op: str, *args):
 def native_op(op: str, *args):
     """``cpu.<op>(*args)`` as a tuple, the fused backward with its bias gradient (as ``reference_op``)."""
     if op == "spmm_backward":
-        return cpu.spmm_backward(*args, bias_grad=True)
-    return (getattr(cpu, op)(*args),)
+        return native.spmm_backward(*args, bias_grad=True)
+    return (getattr(native, op)(*args),)
 
 
 def assert_matches_reference(op: str, topo: Topology, batch: int, dtype: torch.dtype, seed: int = 0) -> None:
@@ -74,8 +75,8 @@ def assert_matches_reference(op: str, topo: Topology, batch: int, dtype: torch.d
     # the oracle runs in float64 from the same (rounded) inputs
     expected = reference_op(op, *(t.double() for t in inputs), tensors)
     if op == "spmm_backward":  # with and without the bias gradient (summed while packing dy's tiles)
-        with_bias = cpu.spmm_backward(*inputs, tensors, bias_grad=True)
-        runs = [(with_bias, expected), (cpu.spmm_backward(*inputs, tensors), expected[:2])]
+        with_bias = native.spmm_backward(*inputs, tensors, bias_grad=True)
+        runs = [(with_bias, expected), (native.spmm_backward(*inputs, tensors), expected[:2])]
     else:
         runs = [(native_op(op, *inputs, tensors), expected)]
     rtol, atol = TOLERANCE[dtype]
@@ -96,15 +97,15 @@ def test_native_backend_is_the_cpu_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         assert backends.default_backend_name("cpu") == "cpu"
-    assert backends.resolve(torch.device("cpu")) is cpu
+    assert backends.resolve(torch.device("cpu")) is native
 
 
 def test_ops_dispatch_to_native_kernels(monkeypatch):
     calls = []
     for name in OPS:
-        original = getattr(cpu, name)
+        original = getattr(native, name)
         monkeypatch.setattr(
-            cpu, name, lambda *args, name=name, original=original, **kw: calls.append(name) or original(*args, **kw)
+            native, name, lambda *args, name=name, original=original, **kw: calls.append(name) or original(*args, **kw)
         )
     layer = snack.SparseLinear(16, 8, sparsity=0.5)
     x = torch.randn(3, 16, requires_grad=True)
@@ -158,7 +159,7 @@ def test_no_nonzeros(op, threads):
     topo = Topology(empty, empty, (6, 4))
     for batch in (1, 9):
         inputs = operands(op, topo, batch, torch.float32, torch.Generator().manual_seed(0))
-        got = getattr(cpu, op)(*inputs, topo.tensors())
+        got = getattr(native, op)(*inputs, topo.tensors())
         got = got if isinstance(got, tuple) else (got,)
         expected_shapes = {"spmm": [(batch, 6)], "spmm_t": [(batch, 4)], "sddmm": [(0,)],
                            "spmm_backward": [(batch, 4), (0,)]}[op]
@@ -185,7 +186,7 @@ def test_the_reference_sums_half_precision_in_float32(op, dtype):
     inputs = operands(op, topo, 64 if op == "sddmm" else 4, torch.float64, torch.Generator().manual_seed(0))
     exact = reference_op(op, *inputs, topo.tensors())[0]
     rounded = [t.to(dtype) for t in inputs]
-    for backend in (reference, cpu):
+    for backend in (reference, native):
         got = getattr(backend, op)(*rounded, topo.tensors())
         assert got.dtype == dtype
         # the inputs' own rounding allows ~1e-2 for bfloat16; summing in it was several times that
@@ -225,24 +226,24 @@ def test_non_contiguous_coordinates_work_at_every_batch():
 
 _AFTER_FAILED_ALLOCATION = """
 import resource, torch
-from snack.backends import cpu
+from snack.backends.cpu import native
 from snack.topology import Topology
 torch.set_num_threads(1)
 row, col = torch.zeros(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
 small, big = Topology(row, col, (1, 8)).tensors(), Topology(row, col, (1, 200_000)).tensors()
 values, x_small, x_big = torch.randn(4), torch.randn(64, 8), torch.randn(64, 200_000)
-expected = cpu.spmm(x_small, values, small)
+expected = native.spmm(x_small, values, small)
 vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), hard))  # too little for the big pack's 51 MB
 try:
-    cpu.spmm(x_big, values, big)
+    native.spmm(x_big, values, big)
     raise SystemExit("the big call did not fail")
 except RuntimeError as error:
     assert "out of memory allocating" in str(error), error
 finally:
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-assert torch.equal(cpu.spmm(x_small, values, small), expected)  # same thread, same scratch pool
+assert torch.equal(native.spmm(x_small, values, small), expected)  # same thread, same scratch pool
 print("ok")
 """
 
@@ -352,7 +353,7 @@ def test_spmm_adds_the_bias_in_the_kernel(batch, dtype, threads):
     x = torch.randn(batch, 50, generator=generator, dtype=torch.float64).to(dtype)
     values = torch.randn(topo.nnz, generator=generator, dtype=torch.float64).to(dtype)
     bias = torch.randn(37, generator=generator, dtype=torch.float64).to(dtype)
-    got = cpu.spmm(x, values, topo.tensors(), bias)
+    got = native.spmm(x, values, topo.tensors(), bias)
     expected = reference.spmm(x.double(), values.double(), topo.tensors(), bias.double())
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
@@ -363,34 +364,34 @@ def test_fused_backward_also_returns_the_bias_gradient(batch, threads):
     topo = random_topology(21, 30, 0.6)
     dy, x = torch.randn(batch, 21, dtype=torch.float64), torch.randn(batch, 30, dtype=torch.float64)
     values = torch.randn(topo.nnz, dtype=torch.float64)
-    dx, dvalues, dbias = cpu.spmm_backward(dy, x, values, topo.tensors(), bias_grad=True)
+    dx, dvalues, dbias = native.spmm_backward(dy, x, values, topo.tensors(), bias_grad=True)
     torch.testing.assert_close(dbias, dy.sum(0))
     torch.testing.assert_close(dx, reference.spmm_t(dy, values, topo.tensors()))
     torch.testing.assert_close(dvalues, reference.sddmm(dy, x, topo.tensors()))
-    assert len(cpu.spmm_backward(dy, x, values, topo.tensors())) == 2
+    assert len(native.spmm_backward(dy, x, values, topo.tensors())) == 2
 
 
 def test_batch_one_reads_16_bit_columns_up_to_65536():
     # columns >= 32768 are stored as negative int16 bit patterns and must read back unsigned
     topo = random_topology(5, 65_536, 0.99)
     assert int(topo.col.max()) >= 1 << 15
-    narrow = cpu.narrow_columns(topo.col)
+    narrow = native.narrow_columns(topo.col)
     assert narrow.dtype == torch.int16 and narrow.numel() == topo.nnz
     assert torch.equal(narrow.long() % (1 << 16), topo.col.long())
     x, values = torch.randn(1, 65_536, dtype=torch.float64), torch.randn(topo.nnz, dtype=torch.float64)
-    torch.testing.assert_close(cpu.spmm(x, values, topo.tensors()), reference.spmm(x, values, topo.tensors()))
+    torch.testing.assert_close(native.spmm(x, values, topo.tensors()), reference.spmm(x, values, topo.tensors()))
     # wider layers take the 32-bit kernel
     wide = random_topology(3, 70_000, 0.999)
     x = torch.randn(1, 70_000, dtype=torch.float64)
     values = torch.randn(wide.nnz, dtype=torch.float64)
-    torch.testing.assert_close(cpu.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
+    torch.testing.assert_close(native.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
 
 
 def test_layers_built_under_inference_mode(monkeypatch):
     # inference tensors have no version counter: batch 1 takes the 32-bit kernel instead of the cache
     narrowed = []
-    original = cpu.narrow_columns
-    monkeypatch.setattr(cpu, "narrow_columns", lambda col: narrowed.append(col) or original(col))
+    original = native.narrow_columns
+    monkeypatch.setattr(native, "narrow_columns", lambda col: narrowed.append(col) or original(col))
     with torch.inference_mode():
         layer = snack.SparseLinear(40, 30, sparsity=0.6)
         for batch in (1, 3):
@@ -406,10 +407,10 @@ def test_layers_built_under_inference_mode(monkeypatch):
 def test_16_bit_columns_follow_in_place_changes():
     # load_state_dict copies into the col buffer in place: the cached copy must not go stale
     topo = random_topology(4, 6, 0.5)
-    before = cpu.narrow_columns(topo.col)
-    assert cpu.narrow_columns(topo.col) is before  # cached
+    before = native.narrow_columns(topo.col)
+    assert native.narrow_columns(topo.col) is before  # cached
     topo.col.copy_(topo.col.flip(0))
-    after = cpu.narrow_columns(topo.col)
+    after = native.narrow_columns(topo.col)
     assert torch.equal(after.long(), topo.col.long())
 
 
@@ -446,6 +447,7 @@ def test_native_ops_reject_bad_input(call, message):
 _OTHER_ISA_CHECK = """
 import torch
 from snack.backends import cpu, reference
+from snack.backends.cpu import native
 from snack.topology import Topology, TopologyTensors, random_coo
 assert torch.backends.cpu.get_cpu_capability() == "{isa}", torch.backends.cpu.get_cpu_capability()
 assert "_{isa_lower}_" in str(cpu.build())
@@ -461,10 +463,10 @@ for threads in (1, 2):
                 values = torch.randn(topo.nnz, dtype=dtype)
                 bias = torch.randn(out_features, dtype=dtype)
                 close = lambda a, b: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-                close(cpu.spmm(x, values, t, bias), reference.spmm(x, values, t, bias))
-                close(cpu.spmm_t(dy, values, t), reference.spmm_t(dy, values, t))
-                close(cpu.sddmm(dy, x, t), reference.sddmm(dy, x, t))
-                dx, dvalues, dbias = cpu.spmm_backward(dy, x, values, t, bias_grad=True)
+                close(native.spmm(x, values, t, bias), reference.spmm(x, values, t, bias))
+                close(native.spmm_t(dy, values, t), reference.spmm_t(dy, values, t))
+                close(native.sddmm(dy, x, t), reference.sddmm(dy, x, t))
+                dx, dvalues, dbias = native.spmm_backward(dy, x, values, t, bias_grad=True)
                 close(dx, reference.spmm_t(dy, values, t))
                 close(dvalues, reference.sddmm(dy, x, t))
                 close(dbias, dy.sum(0))
@@ -548,3 +550,17 @@ def test_prune_deletes_only_builds_this_source_would_never_load(tmp_path, monkey
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*current, "unrelated"])
     # what this process loads is among the kept names
     assert cpu._build_spec()[0] == cpu._library(torch.backends.cpu.get_cpu_capability(), cpu._sanitizer())[0]
+
+
+@pytest.mark.parametrize("arguments", [["--help"], ["--prune"]])
+def test_the_build_command_acts_before_building(tmp_path, arguments):
+    """`python -m snack.backends.cpu` imports the package first: that import built the kernels
+    (about 30 s, or a BuildError without a compiler) before --help, --prune or --verbose acted."""
+    env = {**os.environ, "SNACK_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "snack.backends.cpu", *arguments], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "compiling" not in run.stderr and not list(tmp_path.iterdir())  # nothing built
+    assert ("usage: python -m snack.backends.cpu" in run.stdout) if arguments == ["--help"] else (
+        "removed 0 stale build(s)" in run.stderr
+    )

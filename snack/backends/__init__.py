@@ -234,4 +234,4 @@ def resolve(device: torch.device) -> Backend:
 
 register_backend("reference", "snack.backends.reference")
 register_backend("triton", lambda: importlib.import_module("snack.backends.triton").load(), default_for=("cuda",))
-register_backend("cpu", "snack.backends.cpu", default_for=("cpu",))
+register_backend("cpu", "snack.backends.cpu.native", default_for=("cpu",))
