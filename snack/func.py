@@ -37,10 +37,6 @@ def transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
-def _backend(device: torch.device):
-    return backends.resolve(device)
-
-
 def _batched_first(tensor: Tensor, dim: int | None, size: int) -> Tensor:
     """``tensor`` with its vmapped dimension first (expanded to ``size`` when it has none)."""
     if dim is None:
@@ -98,7 +94,7 @@ class Spmm(_SparseOp):
 
     @staticmethod
     def forward(x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
-        return _backend(x.device).spmm(x.contiguous(), values.contiguous(), topo)
+        return backends.resolve(x.device).spmm(x.contiguous(), values.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -119,7 +115,7 @@ class SpmmT(_SparseOp):
 
     @staticmethod
     def forward(dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
-        return _backend(dy.device).spmm_t(dy.contiguous(), values.contiguous(), topo)
+        return backends.resolve(dy.device).spmm_t(dy.contiguous(), values.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -140,7 +136,7 @@ class Sddmm(_SparseOp):
 
     @staticmethod
     def forward(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
-        return _backend(dy.device).sddmm(dy.contiguous(), x.contiguous(), topo)
+        return backends.resolve(dy.device).sddmm(dy.contiguous(), x.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

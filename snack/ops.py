@@ -25,6 +25,9 @@ instead, which runs the backend's optional ``spmm_backward(dy, x, values, topo) 
 :class:`_SparseLinearFunction`, that calls the backend directly: the bias goes into the backend's
 ``spmm``, and a training step's backward asks the fused ``spmm_backward`` for the bias gradient
 too. Without autograd (inference) it calls the backend's ``spmm`` and nothing else.
+
+One more custom op, ``snack::topology_index_data``, lives in :mod:`snack.nn.tracing`: programs
+made by ``torch.jit.trace`` and ``torch.export`` derive a layer's index data through it.
 """
 
 from __future__ import annotations
@@ -202,7 +205,6 @@ def _setup(ctx, inputs, output):
     needs_a, needs_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     # grad of a needs b (and vice versa) for all three ops
     ctx.save_for_backward(a if needs_b else None, b if needs_a else None, *topo)
-    ctx.a_cols = a.shape[1]
     ctx.forced = backends.forced_backend()  # the backward runs where the forward ran
 
 

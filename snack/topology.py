@@ -167,8 +167,10 @@ def _sample_distinct(total: int, k: int, generator: torch.Generator | None, devi
     return found
 
 
-# Elements per block when enumerating positions of a dense-ish layer (sparsity < 0.5).
-_BLOCK_ELEMENTS = 1 << 20
+# The most elements snack forms at once where it walks a layer's out × in positions in blocks
+# (drawing a dense-ish topology, picking the largest weights, scoring RigL's growth): 4 MiB of
+# float32, whatever the layer's size.
+BLOCK_ELEMENTS = 1 << 20
 
 
 def random_coo(
@@ -196,7 +198,7 @@ def random_coo(
         return _linear_to_coo(_sample_distinct(total, k, generator, device), in_features)
 
     excluded = _sample_distinct(total, total - k, generator, device)
-    rows_per_block = max(1, _BLOCK_ELEMENTS // in_features)
+    rows_per_block = max(1, BLOCK_ELEMENTS // in_features)
     parts = []
     for first_row in range(0, out_features, rows_per_block):
         start = first_row * in_features
@@ -238,11 +240,7 @@ def coo_from_dense(weight: Tensor, sparsity: float | None = None) -> tuple[Tenso
     return row, col, flat[linear].clone()
 
 
-# Elements largest_magnitudes reads at a time: its extra memory is a few times this, whatever the size.
-_SELECT_BLOCK = 1 << 20
-
-
-def largest_magnitudes(flat: Tensor, k: int, *, block: int = _SELECT_BLOCK) -> Tensor:
+def largest_magnitudes(flat: Tensor, k: int, *, block: int = BLOCK_ELEMENTS) -> Tensor:
     """The sorted positions (int64 ``(k,)``) of the ``k`` largest ``|flat|`` of a 1-D floating
     tensor; among equal magnitudes the earlier position wins (what a stable descending sort
     picks), so the result is reproducible. NaN counts as the largest, as in ``torch.sort``.
@@ -313,7 +311,9 @@ class Topology:
             afterwards is undefined, since the kernels trust validated coordinates.
         shape: ``(out_features, in_features)``.
         validate: check the coordinates (one pass over them); pass ``False`` only for
-            coordinates produced by this module.
+            coordinates already checked (produced by this module, or validated by the caller, as
+            ``SparseLinear`` does before installing them). int64 coordinates are accepted and
+            converted.
     """
 
     __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr", "_tensors")
@@ -324,8 +324,8 @@ class Topology:
             with _outside_fake_mode():  # it reads values (e.g. FakeTensorProp running a layer)
                 validate_coo(row, col, shape)
         # contiguous, as the native kernels need (no copy when they already are, as a layer's are)
-        self.row = _derived(lambda: row.to(INDEX_DTYPE).contiguous())
-        self.col = _derived(lambda: col.to(INDEX_DTYPE).contiguous())
+        self.row = _outside_transient_modes(lambda: row.to(INDEX_DTYPE).contiguous())
+        self.col = _outside_transient_modes(lambda: col.to(INDEX_DTYPE).contiguous())
         self.shape = shape
         self._rowptr: Tensor | None = None
         self._csc_perm: Tensor | None = None
@@ -353,7 +353,7 @@ class Topology:
     def rowptr(self) -> Tensor:
         """``(out + 1,)`` int32 CSR row pointer (computed on first use)."""
         if self._rowptr is None:
-            self._rowptr = _derived(lambda: _pointer(self.row, self.shape[0]))
+            self._rowptr = _outside_transient_modes(lambda: _pointer(self.row, self.shape[0]))
         return self._rowptr
 
     @property
@@ -361,14 +361,14 @@ class Topology:
         """``(nnz,)`` int32 permutation into column-major order (computed on first use)."""
         if self._csc_perm is None:
             # row-major order is already sorted by row, so a stable sort by column yields (col, row) order
-            self._csc_perm = _derived(lambda: torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE))
+            self._csc_perm = _outside_transient_modes(lambda: torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE))
         return self._csc_perm
 
     @property
     def colptr(self) -> Tensor:
         """``(in + 1,)`` int32 column pointer into :attr:`csc_perm` (computed on first use)."""
         if self._colptr is None:
-            self._colptr = _derived(lambda: _pointer(self.col, self.shape[1]))
+            self._colptr = _outside_transient_modes(lambda: _pointer(self.col, self.shape[1]))
         return self._colptr
 
     def derived_so_far(self) -> list[Tensor]:
@@ -391,7 +391,7 @@ class Topology:
         return f"Topology(shape={self.shape}, nnz={self.nnz}, density={density:.4g}, device={self.device})"
 
 
-def _derived(build) -> Tensor:
+def _outside_transient_modes(build) -> Tensor:
     """``build()``, as a normal tensor even inside ``torch.inference_mode``, a ``torch.func``
     transform or a ``FakeTensorMode``: the cache outlives the region. A later training step must
     be able to save it for backward (an inference tensor cannot be), a later transform must not

@@ -30,7 +30,7 @@ from snack.cli import device_argument, positive_int, sparsity_argument, unavaila
 from snack.data import Digits, load_digits
 from snack.distributions import layer_sparsities
 
-__all__ = ["MaskedLinear", "Result", "add_arguments", "run", "train_models"]
+__all__ = ["MaskedLinear", "Result", "add_arguments", "mlp", "run", "sparse_mlp", "train_models"]
 
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75

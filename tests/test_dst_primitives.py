@@ -211,6 +211,21 @@ def test_cosine_and_constant_schedules():
     assert const.fraction(500) == 0.3
 
 
+@pytest.mark.parametrize(
+    "arguments, error, match",
+    [
+        ((0.3, 10, 1000, 0.75, "linear"), ValueError, "schedule must be one of"),  # was a silent cosine
+        ((1.5, 10, 1000, 0.75, "cosine"), ValueError, "drop_fraction must be in"),
+        ((0.3, 0, 1000, 0.75, "cosine"), ValueError, "update_every must be >= 1"),
+        ((0.3, 10, 10.5, 0.75, "cosine"), TypeError, "total_steps must be an int"),
+        ((0.3, 10, 1000, float("nan"), "cosine"), ValueError, "stop_fraction must be in"),
+    ],
+)
+def test_a_drop_schedule_checks_its_arguments(arguments, error, match):
+    with pytest.raises(error, match=match):
+        DropSchedule(*arguments)
+
+
 def test_cubic_sparsity_ramp():
     assert cubic_sparsity(0, 0.5, 0.9, 10, 110) == 0.5
     assert cubic_sparsity(200, 0.5, 0.9, 10, 110) == 0.9

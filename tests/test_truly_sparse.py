@@ -105,7 +105,7 @@ def test_picking_the_largest_weights_allocates_no_copy_of_the_dense_weight():
     with LargestNewStorageMode() as mode:
         layer = snack.SparseLinear.from_dense(weight, sparsity=0.999)
     assert layer.nnz == 9000
-    assert mode.largest <= snack.topology._SELECT_BLOCK, f"an op allocated {mode.largest} elements"
+    assert mode.largest <= snack.topology.BLOCK_ELEMENTS, f"an op allocated {mode.largest} elements"
 
 
 def test_snack_trains_sparse_model_is_built_without_its_dense_layers():

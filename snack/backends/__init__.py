@@ -50,6 +50,15 @@ __all__ = [
 
 
 class Backend(Protocol):
+    """What a backend provides (a module or any object with these functions): the three ops on
+    one topology's :class:`~snack.topology.TopologyTensors`, shapes as in :mod:`snack.ops`.
+
+    Optionally also ``spmm_backward(dy, x, values, topo, *, bias_grad=False)`` → ``(dx, dvalues)``
+    (plus ``dbias`` when ``bias_grad``): both gradients in one pass over the weight, which the
+    backward prefers when present. Per-topology copies a backend keeps (e.g. 16-bit columns) go
+    through :func:`snack.backends.derived.derived`, which drops them with the topology.
+    """
+
     def supports(self, device: torch.device) -> bool: ...
     def spmm(self, x: Tensor, values: Tensor, topo: TopologyTensors, bias: Tensor | None = None) -> Tensor: ...
     def spmm_t(self, dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor: ...

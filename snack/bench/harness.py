@@ -80,7 +80,7 @@ def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     if len(samples) < 2:
         return samples[0], samples[0], samples[0]
     q25, q50, q75 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q25, statistics.median(samples), q75
+    return q25, q50, q75
 
 
 def _measure_point(

@@ -11,9 +11,7 @@ from pathlib import Path
 
 from snack.bench.harness import MemoryRecord, TimeRecord, select
 
-__all__ = ["format_memory", "format_table", "write_csv", "write_json", "write_plot"]
-
-SPARSE_VARIANTS = ("dense+mask", "torch.sparse", "snack")
+__all__ = ["format_comparison", "format_memory", "format_table", "write_csv", "write_json", "write_plot"]
 
 
 def _size_label(out_features: int, in_features: int) -> str:

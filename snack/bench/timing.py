@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Timer", "median_time"]
+__all__ = ["Timer", "interleaved_medians", "median_time", "synchronize"]
 
 # A sample should last at least this long: timer resolution and overhead stay small, and a
 # sample measures back-to-back calls (as in a training loop).

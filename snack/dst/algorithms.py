@@ -15,7 +15,8 @@ GradualPruning  lowest ``|w|``, nnz shrinks    nothing
 =============== ============================== ========================================
 
 Growth is among positions inactive *before* the drop, so a connection dropped in an update is
-never regrown in the same update (the issue's rule; RigL's reference code may regrow one).
+never regrown in the same update (RigL's and SET's reference code may regrow one; the README's
+*Departures from the reference code* lists this and the other differences).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from torch import Tensor, nn
 
 from snack.dst import distributed
 from snack.dst.capture import GradientCapture
+from snack.dst.checks import check_int
 from snack.dst.optim_state import check_optimizer, check_state
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
-from snack.dst.schedules import SCHEDULES, DropSchedule, cubic_sparsity
+from snack.dst.schedules import DropSchedule, cubic_sparsity
 from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
 from snack.topology import check_sparsity
@@ -48,25 +50,8 @@ _ON_RANK_ZERO = object()  # RigL on several ranks: the records are gathered on r
 _SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
-def _check_int(value, name: str, minimum: int) -> int:
-    # numbers.Integral: NumPy integers too (a config read with NumPy), as Python ints
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_fraction(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float in [0, 1], got {type(value).__name__} {value!r}")
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    return float(value)
-
-
 def _check_seed(value) -> int:
-    value = _check_int(value, "seed", 0)
+    value = check_int(value, "seed", 0)
     if value > _SEED_MAX:
         raise ValueError(f"seed must be in [0, 2**64 - 1] (what torch.Generator.manual_seed takes), got {value}")
     return value
@@ -170,9 +155,11 @@ def _outside_snack_dst() -> int:
 class DynamicSparsity:
     """Base of the DST algorithms: call :meth:`step` once after every ``optimizer.step()``.
 
-    Subclasses implement ``_is_update_step(t)`` and ``_plan(t, index, name, layer)`` → ``(drop,
+    Subclasses implement ``_is_update_step(t)``, ``_plan(t, index, name, layer)`` → ``(drop,
     grow, grow_values)`` for one layer, without side effects except drawing from
-    ``self.generator``. (To write a new drop-and-grow algorithm, subclass :class:`DropGrow`,
+    ``self.generator``, and ``_config()``, the arguments :meth:`state_dict` saves and
+    :meth:`load_state_dict` compares (and with ``needs_gradient``, ``_count(t, layer)``, how many
+    connections an update replaces). (To write a new drop-and-grow algorithm, subclass :class:`DropGrow`,
     whose hooks are public.) With ``needs_gradient = True`` the layers' inputs and output
     gradients are recorded during each update step's training step (:meth:`recorded_batch`).
 
@@ -264,7 +251,7 @@ class DynamicSparsity:
         for key in ("step", "generator"):
             if key not in state:
                 raise ValueError(f"cannot load DST state: it has no {key!r} entry (keys: {sorted(state)})")
-        step = _check_int(state["step"], "step", 0)
+        step = check_int(state["step"], "step", 0)
         self.generator.set_state(state["generator"])
         self.step_count = step
         self._arm()
@@ -471,20 +458,15 @@ class DropGrow(DynamicSparsity):
             raise TypeError(f"{type(self).__name__} must implement grow(layer, k): DropGrow has no default growth")
         layers = _listed(layers)
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
-        drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
-        update_every = _check_int(update_every, "update_every", 1)
-        total_steps = _check_int(total_steps, "total_steps", 1)
-        stop_fraction = _check_fraction(stop_fraction, "stop_fraction")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)  # checks them
         if grow_init not in GROW_INITS:
             raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
-        self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)
         why = self.schedule.why_static()
         if why is not None:  # a DST run that would silently train a static topology
             warnings.warn(
-                f"{type(self).__name__} will never change the topology: {why} (update_every={update_every}, "
-                f"stop_fraction={stop_fraction}; total_steps counts optimizer steps, not epochs)",
+                f"{type(self).__name__} will never change the topology: {why} "
+                f"(update_every={self.schedule.update_every}, stop_fraction={self.schedule.stop_fraction}; "
+                "total_steps counts optimizer steps, not epochs)",
                 UserWarning,
                 stacklevel=_outside_snack_dst(),
             )
@@ -673,9 +655,9 @@ class GradualPruning(DynamicSparsity):
         layers = _listed(layers)
         self._agree_across_ranks(model, optimizer, _arguments(locals()))
         final_sparsity = check_sparsity(final_sparsity, "final_sparsity")
-        start_step = _check_int(start_step, "start_step", 0)
-        end_step = _check_int(end_step, "end_step", start_step + 1)
-        update_every = _check_int(update_every, "update_every", 1)
+        start_step = check_int(start_step, "start_step", 0)
+        end_step = check_int(end_step, "end_step", start_step + 1)
+        update_every = check_int(update_every, "update_every", 1)
         found = _find_layers(model, layers)
         if initial_sparsity is not None:
             initial_sparsity = check_sparsity(initial_sparsity, "initial_sparsity")

@@ -11,12 +11,10 @@ import math
 import torch
 from torch import Tensor
 
-from snack.topology import Topology
+from snack.topology import BLOCK_ELEMENTS, Topology
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
-# Largest number of gradient scores formed at once by gradient_grow (4 MiB in fp32).
-BLOCK_ELEMENTS = 1 << 20
 # Largest number of candidate positions drawn at once by random_grow.
 _MAX_DRAW = 1 << 22
 

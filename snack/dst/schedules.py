@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from snack.dst.checks import check_fraction, check_int
+
 __all__ = ["DropSchedule", "cubic_sparsity"]
 
 SCHEDULES = ("cosine", "constant")
@@ -28,10 +30,12 @@ class DropSchedule:
     """
 
     def __init__(self, drop_fraction: float, update_every: int, total_steps: int, stop_fraction: float, kind: str):
-        self.drop_fraction = drop_fraction
-        self.update_every = update_every
-        self.total_steps = total_steps
-        self.stop_fraction = stop_fraction
+        self.drop_fraction = check_fraction(drop_fraction, "drop_fraction")
+        self.update_every = check_int(update_every, "update_every", 1)
+        self.total_steps = check_int(total_steps, "total_steps", 1)
+        self.stop_fraction = check_fraction(stop_fraction, "stop_fraction")
+        if kind not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
         self.kind = kind
         # rounded first: 0.29 · 100 is 28.999999999999996 in binary floating point
         self.end_step = math.floor(round(stop_fraction * total_steps, 9))

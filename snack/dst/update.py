@@ -2,8 +2,10 @@
 
 Every algorithm (SET, RigL, gradual pruning) only decides *which* positions to drop and grow;
 :func:`rewire` applies that choice to the layer and its optimizer state, keeping the format's
-invariants (indices sorted by ``(row, col)``, unique, in range; caches cleared by
-:meth:`SparseLinear.set_topology`).
+invariants (indices sorted by ``(row, col)``, unique, in range), and installs it through the
+layer's two-phase ``_prepare_topology`` (checks and allocations, changing nothing) and
+``_commit_topology`` (reference swaps only, with the new index data), so that an update of
+several layers either applies to all of them or to none.
 """
 
 from __future__ import annotations

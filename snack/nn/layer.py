@@ -60,8 +60,6 @@ class SparseLinear(nn.Module):
     :meth:`from_coo` for explicit coordinates.
     """
 
-    __constants__ = ["in_features", "out_features"]
-
     def __init__(
         self,
         in_features: int,
@@ -212,8 +210,7 @@ class SparseLinear(nn.Module):
             # AveragedModel copied buffers in place), fast from the second call (deriving them in
             # the graph sorted the columns on every call: 38 against 0.6 ms eager at 4096², B=1),
             # and the two traces torch.jit.trace compares record the same op.
-            shape = (self.out_features, self.in_features)
-            return Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
+            return tracing.traced_topology(row, col, (self.out_features, self.in_features))
         if torch.compiler.is_compiling():
             # Dynamo cannot trace is_inference() or version counters: compiled code follows other
             # row/col tensors (functional_call) and the explicit resets (set_topology,
@@ -275,10 +272,7 @@ class SparseLinear(nn.Module):
         must still train). On bad input nothing changes.
         """
         with torch.inference_mode(False):
-            self._set_topology(row, col, values)
-
-    def _set_topology(self, row: Tensor, col: Tensor, values: Tensor | None) -> None:
-        self._commit_topology(self._prepare_topology(row, col, values))
+            self._commit_topology(self._prepare_topology(row, col, values))
 
     def _prepare_topology(self, row: Tensor, col: Tensor, values: Tensor | None, *, copy: bool = True) -> _NewTopology:
         """Check a new topology and make every tensor :meth:`_commit_topology` needs (the

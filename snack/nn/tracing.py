@@ -26,9 +26,13 @@ def fx_sparse_linear(
     the layer's tensors (``get_attr`` nodes), so FX-based tools (feature extractors, graph
     rewriters) see the layer as one node, as they see ``nn.Linear``. The index data are derived
     as in traced programs (:func:`topology_index_data`, cached per row/col)."""
-    shape = (out_features, in_features)
-    topology = Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
-    return sparse_linear(x, values, topology, bias)
+    return sparse_linear(x, values, traced_topology(row, col, (out_features, in_features)), bias)
+
+
+def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topology:
+    """The topology of ``row``/``col`` as a traced program computes it: the index data from
+    :func:`topology_index_data`, which the program records as one op."""
+    return Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
 
 
 def fx_layer_forward(layer: SparseLinear, x: Tensor) -> Tensor:
