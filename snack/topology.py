@@ -39,6 +39,8 @@ __all__ = [
     "TopologyTensors",
     "check_sparsity",
     "coo_from_dense",
+    "coo_from_linear",
+    "linear_positions",
     "random_coo",
     "validate_coo",
 ]
@@ -122,7 +124,7 @@ def validate_coo(row: Tensor, col: Tensor, shape: tuple[int, int], *, require_so
         if lo < 0 or hi >= size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"{name} index {bad} is out of range for size {size} (expected 0 <= {name} < {size})")
-    key = row.to(torch.int64) * in_features + col.to(torch.int64)
+    key = linear_positions(row, col, in_features)
     if not require_sorted:
         key = key.sort().values
     step = key[1:] - key[:-1]
@@ -139,12 +141,19 @@ def validate_coo(row: Tensor, col: Tensor, shape: tuple[int, int], *, require_so
 
 def sort_coo(row: Tensor, col: Tensor, in_features: int, *extra: Tensor) -> tuple[Tensor, ...]:
     """Sort coordinates by ``(row, col)``; ``extra`` tensors of length nnz are permuted alike."""
-    key = row.to(torch.int64) * in_features + col.to(torch.int64)
-    order = torch.argsort(key)
+    order = torch.argsort(linear_positions(row, col, in_features))
     return (row[order].to(INDEX_DTYPE), col[order].to(INDEX_DTYPE), *(t[order] for t in extra))
 
 
-def _linear_to_coo(linear: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
+def linear_positions(row: Tensor, col: Tensor, in_features: int) -> Tensor:
+    """``(nnz,)`` int64 positions ``row · in_features + col`` of coordinates in the row-major
+    flattened ``out × in`` matrix (sorted when the coordinates are)."""
+    return row.to(torch.int64) * in_features + col.to(torch.int64)
+
+
+def coo_from_linear(linear: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
+    """``(row, col)``, int32, of int64 row-major ``linear`` positions: the inverse of
+    :func:`linear_positions`."""
     return (linear // in_features).to(INDEX_DTYPE), (linear % in_features).to(INDEX_DTYPE)
 
 
@@ -195,7 +204,7 @@ def random_coo(
     total = out_features * in_features
     k = nnz_for_sparsity(out_features, in_features, sparsity)
     if k <= total // 2:
-        return _linear_to_coo(_sample_distinct(total, k, generator, device), in_features)
+        return coo_from_linear(_sample_distinct(total, k, generator, device), in_features)
 
     excluded = _sample_distinct(total, total - k, generator, device)
     rows_per_block = max(1, BLOCK_ELEMENTS // in_features)
@@ -207,7 +216,7 @@ def random_coo(
         keep = torch.ones(stop - start, dtype=torch.bool, device=device)
         keep[excluded[lo:hi] - start] = False
         parts.append(keep.nonzero().squeeze(1) + start)
-    return _linear_to_coo(torch.cat(parts), in_features)
+    return coo_from_linear(torch.cat(parts), in_features)
 
 
 def coo_from_dense(weight: Tensor, sparsity: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -236,7 +245,7 @@ def coo_from_dense(weight: Tensor, sparsity: float | None = None) -> tuple[Tenso
         sparsity = check_sparsity(sparsity)
         k = nnz_for_sparsity(out_features, in_features, sparsity)
         linear = largest_magnitudes(flat, k)
-    row, col = _linear_to_coo(linear, in_features)
+    row, col = coo_from_linear(linear, in_features)
     return row, col, flat[linear].clone()
 
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from snack.topology import linear_positions
+
 __all__ = [
     "agreed", "broadcast_choices", "check_same_on_every_rank", "comparable", "gather_rows", "is_rank_zero",
     "model_summary", "optimizer_summary", "resolve_group", "topology_fingerprint",
@@ -132,7 +134,7 @@ def optimizer_summary(optimizer) -> list | str:
 
 def topology_fingerprint(row: Tensor, col: Tensor, in_features: int) -> int:
     """A 64-bit hash of the coordinates, equal on every rank that holds the same ones."""
-    linear = row.to(torch.int64) * in_features + col.to(torch.int64)
+    linear = linear_positions(row, col, in_features)
     # int64 products wrap around; the position weight makes the hash order-sensitive
     mixed = (linear + 1) * -7046029254386353131 + torch.arange(linear.numel(), device=linear.device)
     return int((mixed ^ (mixed >> 29)).sum()) if linear.numel() else 0

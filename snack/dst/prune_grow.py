@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from snack.topology import BLOCK_ELEMENTS, Topology
+from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
@@ -21,7 +21,7 @@ _MAX_DRAW = 1 << 22
 
 def linear_index(topology: Topology) -> Tensor:
     """``(nnz,)`` int64 linear positions of the connections, sorted (the format is row-major)."""
-    return topology.row.to(torch.int64) * topology.shape[1] + topology.col.to(torch.int64)
+    return linear_positions(topology.row, topology.col, topology.shape[1])
 
 
 def magnitude_drop(values: Tensor, k: int, *, split_sign: bool = False) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor
 from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.dst.prune_grow import linear_index
 from snack.nn.layer import SparseLinear, _NewTopology
+from snack.topology import coo_from_linear
 
 __all__ = ["Rewiring", "plan_rewire", "rewire"]
 
@@ -96,8 +97,7 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
     if linear.numel() > 1 and not bool((linear[1:] > linear[:-1]).all()):
         raise ValueError(f"{name}: grow positions must be inactive (or dropped in this same call)")
     state = remapped_state(optimizer, values, src, name)
-    in_features = layer.in_features
-    row, col = (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
+    row, col = coo_from_linear(linear, layer.in_features)
     return Rewiring(layer, optimizer, layer._prepare_topology(row, col, new_values, copy=False), state)
 
 

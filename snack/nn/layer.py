@@ -19,6 +19,7 @@ from snack.topology import (
     check_shape_pair,
     check_sparsity,
     coo_from_dense,
+    linear_positions,
     random_coo,
     sort_coo,
     validate_coo,
@@ -428,7 +429,7 @@ class SparseLinear(nn.Module):
 
     def _flat_index(self) -> Tensor:
         """``(nnz,)`` int64: each connection's position in the row-major flattened weight."""
-        return self.row.long() * self.in_features + self.col.long()
+        return linear_positions(self.row, self.col, self.in_features)
 
     def extra_repr(self) -> str:
         return (
@@ -495,9 +496,7 @@ class SparseLinear(nn.Module):
             copies = [("values", values, self.values)]
             if self.bias is not None and prefix + "bias" in state_dict:
                 bias = state_dict[prefix + "bias"]
-                if not isinstance(bias, Tensor) or bias.shape != (self.out_features,):
-                    shown = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
-                    raise ValueError(f"bias must be a tensor of shape ({self.out_features},), got {shown}")
+                _check_bias(bias, self.out_features)
                 copies.append(("bias", bias, self.bias))
             # the copies nn.Module makes below, tried first: once row/col change, nothing may fail
             for name, source, target in copies:
@@ -652,10 +651,14 @@ def _copied_bias(bias: Tensor | None, out_features: int, dtype: torch.dtype) -> 
     """A detached copy of ``bias`` in ``dtype``, checked to be ``(out_features,)``."""
     if bias is None:
         return None
+    _check_bias(bias, out_features)
+    return bias.detach().clone().to(dtype)
+
+
+def _check_bias(bias, out_features: int) -> None:
     if not isinstance(bias, Tensor) or bias.shape != (out_features,):
         got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
-        raise ValueError(f"bias must have shape ({out_features},), got {got}")
-    return bias.detach().clone().to(dtype)
+        raise ValueError(f"bias must be a tensor of shape ({out_features},), got {got}")
 
 
 def _check_values(values: Tensor, row: Tensor) -> None:
