@@ -14,7 +14,7 @@ import torch
 
 from snack.bench import Machine, cli
 from snack.bench.roofline import sparse_bound
-from snack.bench.timing import Timer
+from snack.bench.timing import Timer, interleaved_samples
 from snack.bench.variants import TorchSparseCSR, build_variants
 from snack.nn import SparseLinear
 from snack import cli as snack_cli
@@ -124,6 +124,15 @@ def test_timer_samples_after_an_untimed_lead_in():
     calls.clear()
     assert timer.sample() >= 0
     assert len(calls) == timer.lead_in + timer.calls
+
+
+def test_interleaved_samples_rotate_which_function_runs_first():
+    ran = []
+    functions = {key: (lambda key=key: ran.append(key)) for key in "abc"}
+    samples = interleaved_samples(functions, torch.device("cpu"), samples=3)
+    assert {key: len(taken) for key, taken in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    runs = [key for i, key in enumerate(ran) if i == 0 or ran[i - 1] != key]  # one entry per stretch
+    assert runs == list("abc" + "abc" + "bca" + "cab")  # warm-ups, then three rounds
 
 
 def test_roofline_bound():

@@ -19,7 +19,7 @@ import torch
 
 from snack import backends
 from snack.bench.roofline import Machine, sparse_bound
-from snack.bench.timing import Timer
+from snack.bench.timing import interleaved_samples
 from snack.bench.variants import build_variants
 from snack.topology import nnz_for_sparsity
 
@@ -98,16 +98,7 @@ def _measure_point(
             return lambda: variant.infer(x)
         return lambda: variant.train_step(x_grad, dy)
 
-    timers = {v.name: Timer(call(v), device) for v in variants}
-    for timer in timers.values():
-        timer.warm_up()
-    samples: dict[str, list[float]] = {name: [] for name in timers}
-    names = list(timers)
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(timers[name].sample())
-    return samples
+    return interleaved_samples({v.name: call(v) for v in variants}, device, repeats)
 
 
 def _time_records(point: dict, samples: dict[str, list[float]], bound: float) -> list[TimeRecord]:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Timer", "interleaved_medians", "median_time", "synchronize"]
+__all__ = ["Timer", "interleaved_medians", "interleaved_samples", "median_time", "synchronize"]
 
 # A sample should last at least this long: timer resolution and overhead stay small, and a
 # sample measures back-to-back calls (as in a training loop).
@@ -69,15 +69,22 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int) ->
     return statistics.median(timer.sample() for _ in range(repeats))
 
 
-def interleaved_medians(functions: dict, device: torch.device, samples: int) -> dict:
-    """Median seconds per call of each of ``functions`` (key → callable): every one warmed up,
-    then ``samples`` rounds taking one sample of each in turn, so that the machine's drift
-    reaches them alike."""
+def interleaved_samples(functions: dict, device: torch.device, samples: int) -> dict[object, list[float]]:
+    """Seconds per call of each of ``functions`` (key → callable), ``samples`` of each: every one
+    warmed up, then rounds taking one sample of each in turn, so that the machine's drift reaches
+    them alike, starting each round one function further on (none always runs first)."""
     timers = {key: Timer(fn, device) for key, fn in functions.items()}
     for timer in timers.values():
         timer.warm_up()
     taken: dict = {key: [] for key in timers}
-    for _ in range(samples):
-        for key, timer in timers.items():
-            taken[key].append(timer.sample())
-    return {key: statistics.median(values) for key, values in taken.items()}
+    keys = list(timers)
+    for round_index in range(samples):
+        shift = round_index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            taken[key].append(timers[key].sample())
+    return taken
+
+
+def interleaved_medians(functions: dict, device: torch.device, samples: int) -> dict:
+    """Median seconds per call of each of ``functions``, sampled by :func:`interleaved_samples`."""
+    return {key: statistics.median(values) for key, values in interleaved_samples(functions, device, samples).items()}
