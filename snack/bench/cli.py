@@ -7,10 +7,8 @@ Writes ``<device>_layer.json``, ``<device>_layer.csv`` and ``<device>_speedup.pn
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import torch
 
 from snack.backends import default_backend_name
 from snack.bench.harness import MODES, Grid, run_grid
+from snack.bench.provenance import machine_line, utc_stamp
 from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
 from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device
@@ -69,22 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def machine_line(device: torch.device) -> str:
-    """One line naming the hardware and software a result was measured on."""
-    if device.type == "cuda":
-        hardware = torch.cuda.get_device_name(device)
-    else:
-        model = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as info:
-                model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, " \
-                   f"{torch.backends.cpu.get_cpu_capability()}"
-    return f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
-
-
 def run(args: argparse.Namespace) -> int:
     defaults = QUICK if args.quick else FULL
     device = args.device
@@ -129,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     given = getattr(args, "_argv", ["bench"])[1:]  # set by snack.cli.main
     command = " ".join(["snack bench", *(shlex.quote(a) for a in given)])
     metadata = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_stamp(),
         "machine": machine_line(device),
         "device": str(device),
         "backend": backend,

@@ -9,7 +9,10 @@ import textwrap
 from dataclasses import asdict, fields
 from pathlib import Path
 
+import torch
+
 from snack.bench.harness import MemoryRecord, TimeRecord, select
+from snack.bench.provenance import machine_line, utc_stamp
 
 __all__ = ["format_comparison", "format_memory", "format_table", "write_csv", "write_json", "write_plot"]
 
@@ -136,16 +139,9 @@ def format_comparison(
     """The text the small benchmark scripts (``benchmarks/*_overhead.py``) print and save: a
     line with the time and machine, ``setting``, and a table of each case's medians
     (``medians[(case, name)]``, in ``unit``) for the two ``names`` and the second over the first."""
-    import datetime
-
-    import torch
-
-    from snack.bench.cli import machine_line  # (it imports this module)
-
     first, second = names
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
-        f"{stamp} · {machine_line(torch.device('cpu'))}",
+        f"{utc_stamp()} · {machine_line(torch.device('cpu'))}",
         setting,
         "",
         f"| call | {first} {unit} | {second} {unit} | {second} / {first} |",

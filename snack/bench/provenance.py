@@ -1,0 +1,32 @@
+"""Where and when a benchmark result was measured: the lines the results files and the README quote."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+import torch
+
+__all__ = ["machine_line", "utc_stamp"]
+
+
+def machine_line(device: torch.device) -> str:
+    """One line naming the hardware and software a result was measured on."""
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as info:
+                model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, " \
+                   f"{torch.backends.cpu.get_cpu_capability()}"
+    return f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
+
+
+def utc_stamp() -> str:
+    """The time now, as results are dated: ``"2026-11-30 10:15 UTC"``."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
