@@ -34,8 +34,8 @@ _MAX_U16_COLUMNS = 1 << 16
 def narrow_columns(col: Tensor) -> Tensor:
     """``col`` as unsigned 16-bit values stored in an int16 tensor (``in_features <= 65536``).
 
-    A batch-1 forward reads only the weight, so it is bandwidth-bound: 6 bytes per non-zero
-    instead of 8 made it ~13% faster (0.39 -> 0.34 ms at 4096², 90%). The copy is cached per
+    A batch-1 forward reads little besides the weight: 6 bytes per non-zero instead of 8 made it
+    ~13% faster (0.39 -> 0.34 ms at 4096², 90%). The copy is cached per
     ``col`` tensor (:func:`snack.backends.derived.derived`: dropped with it, rebuilt if ``col`` is
     changed in place, as ``load_state_dict`` does); it costs 2 bytes per non-zero, which
     ``snack bench`` counts in the layer's memory.
