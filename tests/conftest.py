@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -60,3 +62,12 @@ def check_topology_invariants(layer: snack.SparseLinear, nnz: int) -> None:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+def same_size_other(layer):
+    """A layer of ``layer``'s shape and nnz with other connections and values."""
+    other = copy.deepcopy(layer)
+    positions = torch.randperm(layer.in_features * layer.out_features)[: layer.nnz].sort().values
+    row, col = positions // layer.in_features, positions % layer.in_features
+    other.set_topology(row, col, torch.randn(layer.nnz, dtype=layer.values.dtype))
+    return other

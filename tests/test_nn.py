@@ -1,15 +1,14 @@
-"""SparseLinear against dense math on its masked weight; conversion, serialisation, errors."""
+"""SparseLinear (snack.nn.layer) against dense math on its masked weight; compile, serialisation,
+errors, threads. sparsify/densify: test_convert.py; traced programs: test_tracing.py."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 import subprocess
 import sys
 import textwrap
 import threading
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 import snack
 from snack.nn import SparseLinear
 
-from conftest import dense_forward_and_grads, make_layer
+from conftest import dense_forward_and_grads, make_layer, same_size_other
 
 SHAPES = [(1, 1), (5, 3), (3, 5), (17, 31), (64, 40)]
 
@@ -181,184 +180,6 @@ def test_compiled_code_sees_coordinates_copied_in_place_before_its_first_call():
             getattr(layer, name).copy_(getattr(source, name))
     x = torch.randn(4, 16)
     torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x), x @ source.to_dense().T + source.bias)
-
-
-def test_torch_fx_symbolic_trace_records_one_call_per_layer_through_the_layer():
-    """FX-based tools (feature extractors, graph rewriters) trace into custom modules; a layer
-    records one call of its forward, reached through the layer itself (a get_attr node)."""
-    layer = make_layer(12, 10, 0.7, empty_rows=(3,))
-    model = nn.Sequential(layer, nn.ReLU(), make_layer(4, 12, 0.5, bias=False))
-    traced = torch.fx.symbolic_trace(model)
-    nodes = [(node.op, node.target) for node in traced.graph.nodes if node.op not in ("placeholder", "output")]
-    forward = snack.nn.tracing.fx_layer_forward
-    assert nodes == [
-        ("get_attr", "0"), ("call_function", forward), ("call_module", "1"), ("get_attr", "2"), ("call_function", forward)
-    ]  # fmt: skip
-    for shape in ((5, 10), (1, 10), (2, 3, 10)):
-        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-        torch.testing.assert_close(traced(x), model(x))
-    x = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
-    y = model[0](x)
-    grad_out = torch.randn_like(y)
-    expected = dense_forward_and_grads(layer, x, grad_out)
-    got = torch.autograd.grad(torch.fx.symbolic_trace(nn.Sequential(layer))(x), (x, layer.values, layer.bias), grad_out)
-    for got_grad, expected_grad in zip(got, expected[1:]):
-        torch.testing.assert_close(got_grad, expected_grad)
-
-
-def test_an_fx_program_follows_rewires_and_applies_the_layers_hooks_once():
-    # it held the old row/col with the same values Parameter: after a rewire, new values at the old
-    # coordinates (silently wrong). The hooks present when tracing are in the graph, once.
-    layer = make_layer(12, 10, 0.5)
-    model = nn.Sequential(layer, nn.ReLU())
-    layer.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
-    layer.register_forward_hook(lambda module, args, output: output * 2)
-    traced = torch.fx.symbolic_trace(model)
-    other = _same_size_other(layer)
-    layer.set_topology(other.row, other.col, other.values.detach())
-    x = torch.randn(3, 10, dtype=torch.float64)
-    torch.testing.assert_close(traced(x), torch.relu(2 * ((x + 1) @ layer.to_dense().T + layer.bias)))
-    torch.testing.assert_close(traced(x), model(x))
-
-
-def test_a_traced_root_layer_records_one_call_on_its_tensors():
-    layer = make_layer(12, 10, 0.7)
-    traced = torch.fx.symbolic_trace(layer)
-    calls = [node for node in traced.graph.nodes if node.op.startswith("call")]
-    assert len(calls) == 1 and "fx_sparse_linear" in str(calls[0].target)
-    x = torch.randn(2, 3, 10, dtype=torch.float64)
-    torch.testing.assert_close(traced(x), layer(x))
-
-
-def test_fx_traces_a_layer_applied_to_a_buffer_or_a_tensor_made_in_forward():
-    # not a Proxy input: the shape check branched on the proxied values and tracing failed
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = make_layer(8, 6, 0.5)
-            self.register_buffer("query", torch.randn(2, 6, dtype=torch.float64))
-
-        def forward(self, x):
-            return x + self.fc(self.query).sum() + self.fc(torch.ones(1, 6, dtype=torch.float64)).sum()
-
-    model = Model()
-    traced = torch.fx.symbolic_trace(model)
-    assert sum(node.target is snack.nn.tracing.fx_layer_forward for node in traced.graph.nodes) == 2
-    x = torch.randn(3, dtype=torch.float64)
-    torch.testing.assert_close(traced(x), model(x))
-
-
-def test_fake_tensor_shape_propagation_runs_a_layer():
-    # FakeTensorProp runs each module on fake tensors: the eager kernels cannot take them, the
-    # custom ops' fake kernels can; the layer's cached index data must stay real
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    layer = make_layer(8, 6, 0.5)
-    traced = torch.fx.symbolic_trace(nn.Sequential(layer, nn.ReLU()))
-    FakeTensorProp(traced, FakeTensorMode(allow_non_fake_inputs=True)).propagate(torch.randn(4, 6, dtype=torch.float64))
-    output = traced.graph.find_nodes(op="output")[0].args[0].meta["val"]
-    assert isinstance(output, FakeTensor) and output.shape == (4, 8) and output.dtype == torch.float64
-    assert not any(isinstance(t, FakeTensor) for t in layer.topology.tensors())
-    x = torch.randn(3, 6, dtype=torch.float64)
-    torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
-
-
-@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
-def test_torch_jit_trace_matches_eager_and_saves(tmp_path):
-    """A traced model records the custom op and how the derived index data follow from row/col."""
-    layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
-    model = nn.Sequential(layer, nn.ReLU())
-    x = torch.randn(5, 10, requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", torch.jit.TracerWarning)  # the input check warned it is not traced
-        traced = torch.jit.trace(model, x)
-    graph = str(traced.inlined_graph)
-    assert "snack::topology_index_data" in graph and "sort" not in graph  # derived once per topology, not per call
-    torch.jit.save(traced, tmp_path / "model.pt")
-    loaded = torch.jit.load(tmp_path / "model.pt")
-    for batch in (5, 1, 7):
-        x = torch.randn(batch, 10, requires_grad=True)
-        pre_activation = dense_forward_and_grads(layer, x, torch.ones(batch, 12))[0]
-        for module in (traced, loaded):
-            torch.testing.assert_close(module(x), pre_activation.relu())
-        y = traced(x)
-        got = torch.autograd.grad(y, (x, layer.values, layer.bias), torch.ones_like(y))
-        expected = dense_forward_and_grads(layer, x, (pre_activation > 0).to(x.dtype))[1:]
-        for got_grad, expected_grad in zip(got, expected):
-            torch.testing.assert_close(got_grad, expected_grad)
-
-
-def _same_size_other(layer: SparseLinear) -> SparseLinear:
-    """A layer of ``layer``'s shape and nnz with other connections and values."""
-    other = copy.deepcopy(layer)
-    positions = torch.randperm(layer.in_features * layer.out_features)[: layer.nnz].sort().values
-    row, col = positions // layer.in_features, positions % layer.in_features
-    other.set_topology(row, col, torch.randn(layer.nnz, dtype=layer.values.dtype))
-    return other
-
-
-@pytest.mark.parametrize("warm", [False, True], ids=["exported-first", "eager-first"])
-def test_torch_export_with_dynamic_batch_matches_eager(tmp_path, warm):
-    """``torch.export`` records the custom op and how the derived index data follow from the
-    buffers, warm cache or not: the program follows another layer's state loaded into it."""
-    layer = make_layer(12, 10, 0.7, dtype=torch.float32, empty_rows=(3,))
-    if warm:
-        layer(torch.randn(2, 10))  # builds the cache, which the program must not hold as constants
-    else:
-        layer.topology  # a cache with nothing derived yet, which export must not fill with fake tensors
-    batch = torch.export.Dim("batch")
-    program = torch.export.export(layer, (torch.randn(5, 10),), dynamic_shapes=({0: batch},))
-    assert not any(node.target is torch.ops.aten.sort.stable for node in program.graph.nodes)  # not per call
-    x = torch.randn(3, 10)
-    torch.testing.assert_close(layer(x), dense_forward_and_grads(layer, x, torch.ones(3, 12))[0])
-    torch.export.save(program, tmp_path / "layer.pt2")
-    loaded = torch.export.load(tmp_path / "layer.pt2").module()
-    for rows in (5, 1, 7):
-        x = torch.randn(rows, 10)
-        torch.testing.assert_close(loaded(x), dense_forward_and_grads(layer, x, torch.ones(rows, 12))[0])
-    other = _same_size_other(layer)
-    loaded.load_state_dict(other.state_dict(), strict=False)  # (the program holds no _extra_state)
-    x = torch.randn(3, 10)
-    torch.testing.assert_close(loaded(x), dense_forward_and_grads(other, x, torch.ones(3, 12))[0])
-    with torch.no_grad():
-        loaded.col[1] = loaded.col[0]  # coordinates the program is given are validated
-        loaded.row[1] = loaded.row[0]
-    with pytest.raises(ValueError, match="duplicate coordinate"):
-        loaded(x)
-
-
-def test_topology_index_data_op_passes_opcheck_and_matches_the_topology():
-    layer = make_layer(12, 10, 0.7, empty_rows=(3,), empty_cols=(4,))
-    got = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 10)
-    topology = layer.topology
-    for part, expected in zip(got, (topology.rowptr, topology.colptr, topology.csc_perm)):
-        assert torch.equal(part, expected) and part.data_ptr() != expected.data_ptr()  # copies
-    torch.library.opcheck(torch.ops.snack.topology_index_data, (layer.row, layer.col, 12, 10))
-    torch.library.opcheck(torch.ops.snack.topology_index_data, (layer.row.long(), layer.col.long(), 12, 10))
-    # the same coordinates for another shape: derived (and validated) for that shape, not reused
-    rowptr = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 20)[0]
-    assert torch.equal(rowptr, topology.rowptr)
-    colptr = torch.ops.snack.topology_index_data(layer.row, layer.col, 12, 20)[1]
-    assert colptr.shape == (21,)
-    with pytest.raises(ValueError, match="row index 11 is out of range for size 2"):
-        torch.ops.snack.topology_index_data(layer.row, layer.col, 2, 20)
-
-
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # Topology's validation, traced
-@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
-def test_a_traced_function_follows_the_coordinates_it_is_given():
-    a = make_layer(12, 10, 0.7, dtype=torch.float32)
-    b = _same_size_other(a)
-
-    def f(x, values, row, col):
-        return snack.ops.sparse_linear(x, values, snack.Topology(row, col, (12, 10)))
-
-    x = torch.randn(4, 10)
-    traced = torch.jit.trace(f, (x, a.values.detach(), a.row, a.col))
-    for layer in (a, b):
-        expected = x @ layer.to_dense().detach().T
-        torch.testing.assert_close(traced(x, layer.values.detach(), layer.row, layer.col), expected)
 
 
 def test_torch_compile_follows_buffers_passed_by_functional_call():
@@ -549,8 +370,6 @@ def test_a_layer_built_under_inference_mode_loads_there_like_nn_linear(bias, oth
     assert layer.nnz == source.nnz
 
 
-
-
 def test_state_dict_round_trip_with_different_nnz():
     source, target = make_layer(10, 8, 0.3, seed=1), make_layer(10, 8, 0.9, seed=2)
     assert source.nnz != target.nnz
@@ -604,107 +423,6 @@ def test_to_dtype_deepcopy_and_pickle():
 
 
 # ---------------------------------------------------------------------- sparsify / densify
-
-
-def _mlp():
-    return nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Sequential(nn.Linear(30, 30), nn.Tanh()), nn.Linear(30, 5))
-
-
-def test_sparsify_replaces_linears_keeping_largest_weights():
-    model = _mlp()
-    original = copy.deepcopy(model)
-    result = snack.sparsify(model, sparsity=0.8)
-    assert result is model
-    layers = [model[0], model[2][0], model[3]]
-    assert all(isinstance(layer, SparseLinear) for layer in layers)
-    for layer, dense in zip(layers, [original[0], original[2][0], original[3]]):
-        expected = SparseLinear.from_dense(dense, sparsity=0.8)
-        assert torch.equal(layer.to_dense(), expected.to_dense())
-        assert torch.equal(layer.bias, dense.bias)
-
-
-def test_sparsify_at_zero_sparsity_is_exact():
-    model = _mlp()
-    x = torch.randn(4, 20)
-    expected = model(x)
-    torch.testing.assert_close(snack.sparsify(model, sparsity=0.0)(x), expected)
-
-
-def test_sparsify_include_exclude_and_random_init():
-    model = snack.sparsify(_mlp(), sparsity=0.5, exclude="3", init="random")
-    assert isinstance(model[0], SparseLinear) and isinstance(model[2][0], SparseLinear)
-    assert isinstance(model[3], nn.Linear)
-    model = snack.sparsify(_mlp(), sparsity=0.5, include=["2.*"])
-    assert isinstance(model[2][0], SparseLinear) and isinstance(model[0], nn.Linear)
-
-
-def test_sparsify_warns_when_it_likely_missed_what_was_meant():
-    model = _mlp()
-    with pytest.warns(UserWarning) as caught:
-        snack.sparsify(model, sparsity=0.5, include="fc*")
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 2
-    assert messages[0].startswith("sparsify: include pattern 'fc*' matches no module name (names look like '0', ")
-    assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear selected by include/")
-    with pytest.warns(UserWarning, match="exclude pattern '33' matches no module name"):
-        snack.sparsify(model, sparsity=0.5, exclude="33")
-    with pytest.warns(UserWarning, match="its 3 SparseLinear layer\\(s\\) keep their sparsity"):
-        snack.sparsify(model, sparsity=0.99)  # meant to raise the sparsity of a sparse model
-    assert model[0].sparsity == pytest.approx(0.5, abs=0.01)
-
-
-def test_sparsify_warns_that_transformer_layers_fast_path_reads_weight():
-    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
-    with pytest.warns(UserWarning, match=r"layers.0.linear1, layers.0.linear2\): in eval mode .*set_fastpath_enabled"):
-        snack.sparsify(encoder, sparsity=0.5, exclude="*out_proj")
-    with pytest.warns(UserWarning) as caught:  # out_proj, a subclass of nn.Linear, stays dense
-        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
-        snack.sparsify(nn.TransformerEncoder(layer, 1), 0.5, include="*out_proj")
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 2 and "subclass" in messages[0] and "converted no layer" in messages[1]
-
-
-def test_sparsify_a_bare_linear_returns_a_new_layer():
-    layer = snack.sparsify(nn.Linear(6, 4), sparsity=0.5)
-    assert isinstance(layer, SparseLinear) and layer.nnz == 12
-
-
-def test_sparsify_rejects_bad_arguments():
-    model = _mlp()
-    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
-        snack.sparsify(model, sparsity=1.2)
-    with pytest.raises(ValueError, match="distribution must be one of"):
-        snack.sparsify(model, distribution="gaussian")
-    with pytest.raises(ValueError, match="init must be"):
-        snack.sparsify(model, init="zeros")
-    assert all(isinstance(m, nn.Linear) for m in (model[0], model[2][0], model[3]))
-
-
-def test_densify_round_trip():
-    model = snack.sparsify(_mlp(), sparsity=0.7)
-    x = torch.randn(3, 20)
-    expected = model(x)
-    dense = snack.densify(model)
-    assert not any(isinstance(m, SparseLinear) for m in dense.modules())
-    torch.testing.assert_close(dense(x), expected)
-
-
-def test_sparsify_gpt2_conv1d():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    tokens = torch.randint(0, 50, (2, 8))
-    with torch.no_grad():
-        expected = model(tokens).logits
-    conv_weight = model.transformer.h[0].mlp.c_fc.weight.detach().clone()  # (in, out)
-    snack.sparsify(model, sparsity=0.0, exclude="lm_head")
-    mlp = model.transformer.h[0].mlp
-    assert isinstance(mlp.c_fc, SparseLinear) and (mlp.c_fc.in_features, mlp.c_fc.out_features) == (32, 128)
-    assert torch.equal(mlp.c_fc.to_dense(), conv_weight.t())
-    assert isinstance(model.lm_head, nn.Linear)
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def _mixed_model(dtype=torch.float32) -> nn.Module:
@@ -824,26 +542,6 @@ def test_a_first_forward_under_inference_mode_does_not_poison_training():
 # ---------------------------------------------------------------------- sparsify / densify keep module state
 
 
-class _AttentionBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
-        self.ff = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.ff(self.attn(x, x, x)[0])
-
-
-def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
-    block = _AttentionBlock()
-    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear dense: attn.out_proj"):
-        snack.sparsify(block, 0.5)
-    assert isinstance(block.ff, SparseLinear)
-    assert type(block.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
-    x = torch.randn(2, 5, 16)
-    assert block(x).shape == x.shape  # MultiheadAttention reads out_proj.weight
-
-
 def test_reading_weight_says_what_a_sparse_layer_has_instead():
     layer = make_layer(3, 4, 0.5)
     assert not hasattr(layer, "weight") and getattr(layer, "weight", None) is None
@@ -851,57 +549,6 @@ def test_reading_weight_says_what_a_sparse_layer_has_instead():
         layer.weight
     with pytest.raises(AttributeError, match="'SparseLinear' object has no attribute 'wieght'"):
         layer.wieght
-
-
-def test_sparsify_says_how_to_convert_a_parametrized_or_lazy_linear():
-    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.LazyLinear(3))
-    with pytest.warns(UserWarning) as caught:
-        snack.sparsify(model, 0.5)
-    message = str(caught[0].message)
-    assert "0 (ParametrizedLinear: remove its parametrizations first (torch.nn.utils.parametrize." in message
-    assert "1 (LazyLinear: run a forward first, which gives it a weight)" in message
-    model(torch.randn(2, 4))  # the lazy layer becomes an nn.Linear
-    snack.sparsify(model, 0.5, exclude="0")
-    assert isinstance(model[1], SparseLinear)
-
-
-def test_sparsify_converts_a_shared_layer_once_for_all_its_places():
-    shared = nn.Linear(16, 16)
-    model = snack.sparsify(nn.Sequential(shared, nn.ReLU(), shared), 0.5)
-    assert isinstance(model[0], SparseLinear) and model[2] is model[0]
-    back = snack.densify(model)
-    assert isinstance(back[0], nn.Linear) and back[2] is back[0]
-
-
-@pytest.mark.parametrize("pattern", ["include", "exclude"])
-def test_a_shared_layer_is_selected_by_any_of_its_names(pattern):
-    shared = nn.Linear(8, 8)
-    model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))  # names 0.0 and 1.0
-    excluded = pytest.warns(UserWarning, match="converted no layer")
-    with excluded if pattern == "exclude" else contextlib.nullcontext():
-        model = snack.sparsify(model, 0.5, **{pattern: "1.*"})
-    assert isinstance(model[1][0], SparseLinear) is (pattern == "include")
-    assert model[0][0] is model[1][0]
-
-
-def test_a_layer_with_forward_pre_hooks_is_not_converted_from_a_stale_weight():
-    """torch.nn.utils.prune recomputes .weight from weight_orig and its mask in a forward
-    pre-hook: after an optimizer step .weight is the previous forward's."""
-    prune = pytest.importorskip("torch.nn.utils.prune")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    prune.l1_unstructured(model[0], "weight", amount=0.5)
-    model(torch.randn(2, 8)).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=1.0).step()  # weight_orig moves; .weight is stale
-    with pytest.raises(ValueError, match="forward pre-hooks.*prune.remove"):
-        SparseLinear.from_dense(model[0])
-    with pytest.warns(UserWarning, match=r"left 1 layer\(s\) dense: 0: it has forward pre-hooks"):
-        snack.sparsify(model, 0.5)
-    assert type(model[0]) is nn.Linear and isinstance(model[2], SparseLinear)
-    prune.remove(model[0], "weight")  # makes the current pruned weight the weight
-    layer = SparseLinear.from_dense(model[0])
-    x = torch.randn(3, 8)
-    torch.testing.assert_close(layer(x), model[0](x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
@@ -914,20 +561,6 @@ def test_module_type_casts_the_values_but_keeps_int32_coordinates(dtype):
     if dtype == torch.float64:
         x = torch.randn(2, 3000, dtype=dtype)
         torch.testing.assert_close(model(x), x @ layer.to_dense().T + layer.bias)
-
-
-def test_sparsify_and_densify_keep_training_mode_and_frozen_parameters():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    model[0].requires_grad_(False)
-    model[1].eval()
-    for converted in (snack.sparsify(model, 0.5), snack.densify(model)):
-        first, second = converted[0], converted[1]
-        assert all(not p.requires_grad for p in first.parameters())
-        assert all(p.requires_grad for p in second.parameters())
-        assert converted.training and first.training and not second.training
-
-
-# ---------------------------------------------------------------------- state_dict formats and partial loads
 
 
 def test_the_state_dict_holds_only_tensors_and_round_trips_through_safetensors(tmp_path):
@@ -987,7 +620,7 @@ def test_load_state_dict_with_assign_keeps_int32_coordinates():
 @pytest.mark.parametrize("nnz_changes", [False, True])
 def test_a_load_whose_values_cannot_be_copied_leaves_the_layer_untouched(nnz_changes):
     layer = make_layer(7, 9, 0.5, seed=0)
-    other = make_layer(7, 9, 0.2, seed=1) if nnz_changes else _same_size_other(layer)
+    other = make_layer(7, 9, 0.2, seed=1) if nnz_changes else same_size_other(layer)
     before = copy.deepcopy(layer.state_dict())
     state = other.state_dict()
     state["values"] = state["values"].to("meta")  # its copy fails
@@ -1032,7 +665,7 @@ def test_a_load_of_the_same_nnz_copies_row_and_col_in_place():
     traced module here). Replacing row/col while values were copied in place gave it the new
     values on the old coordinates, silently."""
     layer = make_layer(7, 9, 0.5, seed=0)
-    source = _same_size_other(layer)
+    source = same_size_other(layer)
     x = torch.randn(3, 9, dtype=torch.float64)
     traced = torch.jit.trace(layer, x)
     row, col, values = layer.row, layer.col, layer.values
@@ -1210,7 +843,7 @@ def test_a_traced_module_in_another_thread_never_validates_half_copied_coordinat
     Outputs may mix the states meanwhile (documented), errors may not."""
     torch.manual_seed(0)
     layer = SparseLinear(64, 64, sparsity=0.5)
-    states = [_same_size_other(layer).state_dict() for _ in range(3)]
+    states = [same_size_other(layer).state_dict() for _ in range(3)]
     x = torch.randn(4, 64)
     program = torch.jit.trace(layer, x) if trace == "jit" else torch.fx.symbolic_trace(layer)
     assert _serve_while(lambda i: layer.load_state_dict(states[i % 3]), program, x, None, forwards=2000) == 0
@@ -1221,7 +854,7 @@ def test_a_load_with_assign_or_into_shared_buffers_replaces_them():
     (nn.Module then installs new values, which the old coordinates must not meet in whatever
     holds them) and when row and col are one tensor (a diagonal loaded with assign=True)."""
     layer = make_layer(6, 6, 0.5)
-    source = _same_size_other(layer)
+    source = same_size_other(layer)
     old_row = layer.row.clone()
     holder = layer.row  # e.g. a traced module's reference
     layer.load_state_dict(source.state_dict(), assign=True)
@@ -1280,31 +913,6 @@ def test_a_meta_state_dict_is_refused_with_a_clear_error():
         with pytest.raises(RuntimeError, match="While loading SparseLinear.*meta device"):
             layer.load_state_dict(meta_state, assign=assign)
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
-
-
-def test_sparsify_leaves_layers_with_tied_parameters_dense():
-    # a sparse copy would untie them: two layers sharing one weight, and GPT-2's lm_head ↔ wte
-    first, second = nn.Linear(6, 6), nn.Linear(6, 6)
-    second.weight = first.weight
-    model = nn.Sequential(first, nn.ReLU(), second, nn.ReLU(), nn.Linear(6, 3))
-    with pytest.warns(UserWarning, match=r"tied to another module's: 0 \(with 2\), 2 \(with 0\)"):
-        snack.sparsify(model, 0.5)
-    assert model[0].weight is model[2].weight and isinstance(model[4], SparseLinear)
-    shared = nn.Linear(6, 6)
-    model = nn.Sequential(shared, nn.ReLU(), shared)  # one module in two places is not a tie
-    snack.sparsify(model, 0.5)
-    assert isinstance(model[0], SparseLinear) and model[0] is model[2]
-
-
-def test_sparsify_leaves_gpt2s_tied_head_dense():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
-    with pytest.warns(UserWarning, match=r"lm_head \(with transformer.wte\)"):
-        snack.sparsify(model, 0.5)
-    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.transformer.wte.weight
-    assert isinstance(model.transformer.h[0].mlp.c_fc, SparseLinear)
 
 
 def test_a_state_dict_without_the_bias_leaves_the_bias_as_it_was():
