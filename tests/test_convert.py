@@ -51,6 +51,7 @@ def test_sparsify_warns_when_it_likely_missed_what_was_meant():
         snack.sparsify(model, sparsity=0.5, include="fc*")
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2
+    assert all(w.filename == __file__ for w in caught)  # they point at the call
     assert messages[0].startswith("sparsify: include pattern 'fc*' matches no module name (names look like '0', ")
     assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear selected by include/")
     with pytest.warns(UserWarning, match="exclude pattern '33' matches no module name"):
@@ -126,8 +127,9 @@ class _AttentionBlock(nn.Module):
 
 def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
     block = _AttentionBlock()
-    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear dense: attn.out_proj"):
+    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear dense: attn.out_proj") as caught:
         snack.sparsify(block, 0.5)
+    assert caught[0].filename == __file__  # it points at the call
     assert isinstance(block.ff, SparseLinear)
     assert type(block.attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
     x = torch.randn(2, 5, 16)

@@ -7,6 +7,7 @@ import fnmatch
 import sys
 import warnings
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -103,6 +104,63 @@ def _keep_module_state(new: nn.Module, old: nn.Module, pairs: list[tuple[Tensor 
             new_param.requires_grad_(old_param.requires_grad)
 
 
+class _LeftDense(NamedTuple):
+    """Layers ``sparsify`` selected but does not convert, each as its name and why."""
+
+    subclassed: list[str]  # subclasses of nn.Linear
+    hooked: list[str]  # with forward pre-hooks
+    tied: list[str]  # whose parameters another module holds too
+
+
+def _choose_layers(
+    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None
+) -> tuple[dict, _LeftDense]:
+    """The layers to convert, ``{first name: (module, all its names, weight (out, in), bias)}``,
+    and the selected linear layers left dense."""
+    targets, left_dense = {}, _LeftDense([], [], [])
+    owners = _parameter_owners(modules)
+    for child, names in modules.values():
+        if not _selected(names, include, exclude):
+            continue
+        shown = names[0] or "(root)"
+        if (wb := _dense_weight_and_bias(child)) is not None:
+            parameters = [p for p in child._parameters.values() if p is not None]
+            shared_with = sorted({other for p in parameters for other in owners[id(p)] if other not in names})
+            if child._forward_pre_hooks:
+                left_dense.hooked.append(shown)
+            elif shared_with:
+                left_dense.tied.append(f"{shown} (with {', '.join(shared_with)})")
+            else:
+                targets[names[0]] = (child, names, *wb)
+        elif isinstance(child, nn.Linear):
+            left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
+    return targets, left_dense
+
+
+def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
+    subclassed, hooked, tied = left_dense
+    if subclassed:
+        warnings.warn(
+            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
+            "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
+            "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
+            stacklevel=3,
+        )
+    if hooked:
+        warnings.warn(
+            f"sparsify left {len(hooked)} layer(s) dense: {', '.join(hooked)}: {PRE_HOOKS_REASON}. Remove the hooks "
+            "first (e.g. prune.remove(layer, 'weight')), or exclude the layers to silence this warning.",
+            stacklevel=3,
+        )
+    if tied:
+        warnings.warn(
+            f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
+            f"{', '.join(tied)}. A sparse copy would untie them (GPT-2's lm_head shares wte's weight); exclude the "
+            "layers to silence this warning.",
+            stacklevel=3,
+        )
+
+
 def sparsify(
     module: nn.Module,
     sparsity: float = 0.9,
@@ -139,43 +197,9 @@ def sparsify(
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
-    targets, subclassed, hooked, tied = {}, [], [], []
     modules = _modules_by_identity(module)
-    owners = _parameter_owners(modules)
-    for child, names in modules.values():
-        if not _selected(names, include, exclude):
-            continue
-        if (wb := _dense_weight_and_bias(child)) is not None:
-            parameters = [p for p in child._parameters.values() if p is not None]
-            shared_with = sorted({other for p in parameters for other in owners[id(p)] if other not in names})
-            if child._forward_pre_hooks:
-                hooked.append(names[0] or "(root)")
-            elif shared_with:
-                tied.append(f"{names[0] or '(root)'} (with {', '.join(shared_with)})")
-            else:
-                targets[names[0]] = (child, names, *wb)
-        elif isinstance(child, nn.Linear):
-            subclassed.append(f"{names[0] or '(root)'} ({type(child).__name__}{_subclass_hint(child)})")
-    if subclassed:
-        warnings.warn(
-            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
-            "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
-            "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
-            stacklevel=2,
-        )
-    if hooked:
-        warnings.warn(
-            f"sparsify left {len(hooked)} layer(s) dense: {', '.join(hooked)}: {PRE_HOOKS_REASON}. Remove the hooks "
-            "first (e.g. prune.remove(layer, 'weight')), or exclude the layers to silence this warning.",
-            stacklevel=2,
-        )
-    if tied:
-        warnings.warn(
-            f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
-            f"{', '.join(tied)}. A sparse copy would untie them (GPT-2's lm_head shares wte's weight); exclude the "
-            "layers to silence this warning.",
-            stacklevel=2,
-        )
+    targets, left_dense = _choose_layers(modules, include, exclude)
+    _warn_about_layers_left_dense(left_dense)
     _warn_about_what_sparsify_missed(modules, include, exclude, targets)
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
