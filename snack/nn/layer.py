@@ -485,28 +485,42 @@ class SparseLinear(nn.Module):
             return
         if keys["_extra_state"] not in state_dict:  # optional: nn.Module must not call it missing
             state_dict = {**state_dict, keys["_extra_state"]: self.get_extra_state()}
-        expected_shape = (self.out_features, self.in_features)
         try:
-            saved_shape = _saved_shape(state_dict[keys["_extra_state"]])
-            if saved_shape != expected_shape:
-                raise ValueError(f"the state_dict is of a {saved_shape} layer, this layer is {expected_shape}")
-            row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
-            validate_coo(row, col, expected_shape)
-            _check_values(values, row)
-            copies = [("values", values, self.values)]
-            if self.bias is not None and prefix + "bias" in state_dict:
-                bias = state_dict[prefix + "bias"]
-                _check_bias(bias, self.out_features)
-                copies.append(("bias", bias, self.bias))
-            # the copies nn.Module makes below, tried first: once row/col change, nothing may fail
-            for name, source, target in copies:
-                try:
-                    source.to(device=target.device, dtype=target.dtype)
-                except (RuntimeError, NotImplementedError) as error:
-                    raise ValueError(f"{name} cannot be copied into the layer ({target.dtype} on {target.device}): {error}")
+            row, col, values = self._checked_state(state_dict, keys, prefix + "bias")
         except (ValueError, TypeError) as error:
             error_msgs.append(f"While loading SparseLinear {prefix or '(root)'}: {error}")
             return
+        self._install_loaded_topology(row, col, values, local_metadata)
+        # row/col now match; nn.Module copies them again (cheap) and copies values and bias
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
+            self.row, self.col = self.row.to(torch.int32), self.col.to(torch.int32)
+
+    def _checked_state(self, state_dict, keys: dict[str, str], bias_key: str) -> tuple[Tensor, Tensor, Tensor]:
+        """``(row, col, values)`` of a state_dict entry, checked to fit this layer (shape,
+        coordinates, and that nn.Module's copies of values and bias will succeed: once row/col
+        change, nothing may fail). Raises ``ValueError``/``TypeError``, changing nothing."""
+        expected_shape = (self.out_features, self.in_features)
+        saved_shape = _saved_shape(state_dict[keys["_extra_state"]])
+        if saved_shape != expected_shape:
+            raise ValueError(f"the state_dict is of a {saved_shape} layer, this layer is {expected_shape}")
+        row, col, values = state_dict[keys["row"]], state_dict[keys["col"]], state_dict[keys["values"]]
+        validate_coo(row, col, expected_shape)
+        _check_values(values, row)
+        copies = [("values", values, self.values)]
+        if self.bias is not None and bias_key in state_dict:
+            _check_bias(state_dict[bias_key], self.out_features)
+            copies.append(("bias", state_dict[bias_key], self.bias))
+        for name, source, target in copies:
+            try:
+                source.to(device=target.device, dtype=target.dtype)
+            except (RuntimeError, NotImplementedError) as error:
+                raise ValueError(f"{name} cannot be copied into the layer ({target.dtype} on {target.device}): {error}")
+        return row, col, values
+
+    def _install_loaded_topology(self, row: Tensor, col: Tensor, values: Tensor, local_metadata: dict) -> None:
+        """Make ``row``/``col`` (checked) the layer's, and give ``values`` their size, before
+        ``nn.Module`` copies the state in."""
         if row.numel() == self.nnz and self._buffers_writable_in_place(local_metadata):
             # the same nnz: row/col are copied in place, as nn.Module copies every buffer and
             # parameter (values, bias below), so whatever holds them follows the load (a traced
@@ -529,10 +543,6 @@ class SparseLinear(nn.Module):
             self._commit_topology(
                 _NewTopology(row, col, values, _data_swap(self.values, values), self._derived_topology(row, col))
             )
-        # row/col now match; nn.Module copies them again (cheap) and copies values and bias
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if self.row.dtype != torch.int32:  # load_state_dict(assign=True) put the state_dict's own tensors
-            self.row, self.col = self.row.to(torch.int32), self.col.to(torch.int32)
 
     def _buffers_writable_in_place(self, local_metadata: dict) -> bool:
         """Whether a load may copy into ``row``/``col``: not when ``nn.Module`` assigns the
