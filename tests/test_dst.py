@@ -604,7 +604,7 @@ def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, wher
     applied: an error on the last one (here an allocation failure, while planning it or in the
     checks and copies of its new topology, which once ran while applying) leaves the first ones,
     the optimizer and the RNG untouched, and a retry gives the update an undisturbed run gives."""
-    module = {"plan_rewire": snack.dst.algorithms, "validate_coo": snack.nn.layer}[where]
+    module = {"plan_rewire": snack.dst.base, "validate_coo": snack.nn.layer}[where]
     runs = []
     for fail in (True, False):
         model = _model()

@@ -16,10 +16,12 @@ gradient only for a layer that small). Usage::
 Modules: :mod:`~snack.dst.prune_grow` (drop/grow primitives), :mod:`~snack.dst.update` (the
 generic update), :mod:`~snack.dst.optim_state` (optimizer state remap),
 :mod:`~snack.dst.schedules`, :mod:`~snack.dst.capture` (X/dY hooks for RigL),
-:mod:`~snack.dst.algorithms`, :mod:`~snack.dst.distributed` (several ranks, DDP).
+:mod:`~snack.dst.base` (what every algorithm shares), :mod:`~snack.dst.algorithms`,
+:mod:`~snack.dst.layers` (the ``layers=`` argument), :mod:`~snack.dst.distributed` (several ranks, DDP).
 """
 
-from snack.dst.algorithms import SET, DropGrow, DynamicSparsity, GradualPruning, RigL
+from snack.dst.algorithms import SET, DropGrow, GradualPruning, RigL
+from snack.dst.base import DynamicSparsity
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import DropSchedule, cubic_sparsity
 from snack.dst.update import rewire
