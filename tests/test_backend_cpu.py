@@ -8,6 +8,7 @@ non-contiguous and 3-D inputs through ``SparseLinear``, and a 100,000 × 100,000
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 import warnings
@@ -564,3 +565,14 @@ def test_the_build_command_acts_before_building(tmp_path, arguments):
     assert ("usage: python -m snack.backends.cpu" in run.stdout) if arguments == ["--help"] else (
         "removed 0 stale build(s)" in run.stderr
     )
+
+
+@pytest.mark.parametrize("arguments, verbose", [(["--build"], None), (["--build", "--verbose"], True)])
+def test_the_build_command_hands_verbose_to_the_build(monkeypatch, capsys, arguments, verbose):
+    # --verbose once only set an environment variable that the import-time build had already read
+    asked = []
+    monkeypatch.setattr(cpu, "build", lambda *, verbose=None: asked.append(verbose) or "built.so")
+    monkeypatch.setattr(sys, "argv", ["python -m snack.backends.cpu", *arguments])
+    runpy.run_module("snack.backends.cpu", run_name="__main__")
+    assert asked == [verbose]
+    assert "native CPU kernels ready at built.so" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from snack.bench import Machine, cli
+from snack.bench.report import format_comparison
 from snack.bench.roofline import sparse_bound
 from snack.bench.timing import Timer, interleaved_samples
 from snack.bench.variants import TorchSparseCSR, build_variants
@@ -133,6 +134,16 @@ def test_interleaved_samples_rotate_which_function_runs_first():
     assert {key: len(taken) for key, taken in samples.items()} == {"a": 3, "b": 3, "c": 3}
     runs = [key for i, key in enumerate(ran) if i == 0 or ran[i - 1] != key]  # one entry per stretch
     assert runs == list("abc" + "abc" + "bca" + "cab")  # warm-ups, then three rounds
+
+
+def test_format_comparison_dates_the_table_and_divides_the_second_by_the_first():
+    medians = {("forward", "a"): 10.0, ("forward", "b"): 25.0, ("step", "a"): 4.0, ("step", "b"): 3.0}
+    lines = format_comparison("64x64, batch 32", "µs", ("a", "b"), medians, ["forward", "step"], 1).splitlines()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC · .*torch threads.*; torch .*; Python .*", lines[0])
+    assert lines[1] == "64x64, batch 32"
+    assert lines[3:] == [
+        "| call | a µs | b µs | b / a |", "|---|---|---|---|", "| forward | 10.0 | 25.0 | 2.50 |", "| step | 4.0 | 3.0 | 0.75 |"
+    ]
 
 
 def test_roofline_bound():

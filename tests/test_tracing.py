@@ -3,6 +3,7 @@ torch.export) against eager: snack.nn.tracing and the snack::topology_index_data
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import pytest
@@ -181,3 +182,15 @@ def test_a_traced_function_follows_the_coordinates_it_is_given():
     for layer in (a, b):
         expected = x @ layer.to_dense().detach().T
         torch.testing.assert_close(traced(x, layer.values.detach(), layer.row, layer.col), expected)
+
+
+def test_traced_programs_pickle_and_pickles_made_before_nn_became_a_package_resolve():
+    """Whole-model pickles name snack.nn.SparseLinear; a pickled GraphModule imports the function
+    its graph calls from where nn.py kept it (snack.nn._fx_layer_forward)."""
+    assert snack.nn.SparseLinear.__module__ == "snack.nn"
+    assert snack.nn._fx_layer_forward is snack.nn.tracing.fx_layer_forward
+    assert snack.nn._fx_sparse_linear is snack.nn.tracing.fx_sparse_linear
+    x = torch.randn(3, 5, dtype=torch.float64)
+    for model in (nn.Sequential(make_layer(6, 5, 0.5), nn.ReLU()), make_layer(6, 5, 0.5)):  # a layer as the root too
+        traced = torch.fx.symbolic_trace(model)
+        torch.testing.assert_close(pickle.loads(pickle.dumps(traced))(x), model(x))

@@ -133,14 +133,15 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     row, col = topology.row.to(torch.int64), topology.col.to(torch.int64)
     # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores, arbitrary
     # picks) and bfloat16 rounds close scores into ties
+    # (x once, dy a block of rows at a time: the copy adds B·in elements, not B·(in + out))
     score_dtype = torch.promote_types(x.dtype, torch.float32)
-    x, dy_t = x.to(score_dtype), dy.t().to(score_dtype)
+    x, dy_t = x.to(score_dtype), dy.t()
     rows_per_block = max(1, block_elements // in_features)
     best_scores = x.new_empty(0)
     best_index = torch.empty(0, dtype=torch.int64, device=x.device)
     for first in range(0, out_features, rows_per_block):
         last = min(out_features, first + rows_per_block)
-        scores = (dy_t[first:last] @ x).abs_().view(-1)  # (rows · in,)
+        scores = (dy_t[first:last].to(score_dtype) @ x).abs_().view(-1)  # (rows · in,)
         lo, hi = rowptr[first], rowptr[last]
         scores[(row[lo:hi] - first) * in_features + col[lo:hi]] = -1.0  # below every |grad|
         if best_scores.numel() == k:

@@ -38,7 +38,7 @@ class DropSchedule:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
         self.kind = kind
         # rounded first: 0.29 · 100 is 28.999999999999996 in binary floating point
-        self.end_step = math.floor(round(stop_fraction * total_steps, 9))
+        self.end_step = math.floor(round(self.stop_fraction * self.total_steps, 9))
 
     def is_update_step(self, step: int) -> bool:
         return step >= 1 and step % self.update_every == 0 and step <= self.end_step

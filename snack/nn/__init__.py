@@ -6,7 +6,17 @@
 keeps rewires atomic for forwards in other threads.
 """
 
+from snack.nn import tracing
 from snack.nn.convert import densify, sparsify
 from snack.nn.layer import SparseLinear
 
 __all__ = ["SparseLinear", "densify", "sparsify"]
+
+# Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
+# (loadable by either version, and by any later move within the package).
+SparseLinear.__module__ = __name__
+
+# Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls
+# by their module and name (the old ones from here).
+_fx_layer_forward = tracing.fx_layer_forward
+_fx_sparse_linear = tracing.fx_sparse_linear

@@ -567,6 +567,13 @@ class SparseLinear(nn.Module):
         super().__setstate__(state)
 
 
+
+# torch.fx.symbolic_trace of a layer as the root annotates the program's input with forward's
+# annotations; as strings (this module's `from __future__ import annotations`) they made the
+# GraphModule's code hold `_Tensor_ = 'Tensor'`, and pickling it failed
+SparseLinear.forward.__annotations__ = {"input": Tensor, "return": Tensor}
+
+
 def _is_batched(tensor: Tensor) -> bool:
     """Whether ``tensor`` is vmapped (a ``torch.func.vmap`` BatchedTensor)."""
     return torch._C._functorch.is_batchedtensor(tensor)
