@@ -80,6 +80,12 @@ def test_csv_has_a_row_per_point_and_variant(bench_output):
     assert all(float(r["median_ms"]) > 0 for r in rows)
 
 
+def test_the_printed_tables_are_saved_as_markdown(bench_output):
+    text = (bench_output / "cpu_layer.md").read_text()
+    assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC · .* · `snack bench ", text)
+    assert "| size | mode | sparsity | batch |" in text and "Training memory per layer" in text
+
+
 def test_plot_is_a_png(bench_output):
     assert (bench_output / "cpu_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -271,5 +277,5 @@ def test_without_matplotlib_the_results_are_written_without_the_plot(tmp_path, c
     find_spec = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
     assert snack_cli.main([*TINY, "--sparsity", "0.5", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_layer.csv", "cpu_layer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_layer.csv", "cpu_layer.json", "cpu_layer.md"]
     assert "matplotlib is not installed: no plot" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import inspect
 import io
 import re
 import warnings
@@ -1315,3 +1316,10 @@ def test_an_update_step_called_inside_autocast_scores_growth_in_full_precision()
             assert dst.step()
         topologies.append([linear_index(layer.topology) for layer in _sparse_layers(copy_)])
     assert all(torch.equal(a, b) for a, b in zip(*topologies))
+
+
+def test_set_shows_every_argument_with_its_default():
+    """SET's constructor takes **kwargs on to DropGrow's; help() and inspect showed only them."""
+    parameters = inspect.signature(snack.dst.SET).parameters
+    assert parameters["split_sign"].default is False and parameters["drop_fraction"].default == 0.3
+    assert list(parameters)[:3] == ["model", "optimizer", "split_sign"] and "kwargs" not in parameters

@@ -254,6 +254,8 @@ def test_from_coo_sorts_and_validates():
         (dict(in_features=3, out_features=3, sparsity=1.0), ValueError, r"sparsity must be in \[0, 1\)"),
         (dict(in_features=3, out_features=3, sparsity=-0.5), ValueError, r"sparsity must be in \[0, 1\)"),
         (dict(in_features=3, out_features=3, sparsity="high"), TypeError, "sparsity must be a float"),
+        # SparseLinear(3, 3, 0.5): a sparsity given by position was taken as bias=0.5, sparsity 0.9
+        (dict(in_features=3, out_features=3, bias=0.5), TypeError, r"bias must be a bool.*sparsity=\.\.\."),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs, error, message):
@@ -470,7 +472,7 @@ def test_autocast_leaves_float64_alone_and_mismatches_still_fail():
     with pytest.raises(TypeError, match="does not match the layer's torch.bfloat16 under autocast"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _mixed_model()[2](x)  # a float64 input stays float64; the float32 layer goes to bfloat16
-    with pytest.raises(TypeError, match="does not match the layer's torch.float32$"):
+    with pytest.raises(TypeError, match=r"does not match the layer's torch.float32; cast the input \(x.to\(torch.float32"):
         _mixed_model()[2](x)
 
 

@@ -50,6 +50,35 @@ def test_dynamic_sparse_training_example():
     assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
 
 
+def test_resume_example_continues_bitwise(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it saves run.pt
+    save, *load = _block("torch.save({\"model\"").strip().splitlines()
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(8)]
+
+    def build(seed):
+        torch.manual_seed(seed)  # another seed: another topology and init, which the load replaces
+        model = snack.sparsify(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), 0.9, distribution="erk")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, snack.dst.RigL(model, opt, update_every=2, total_steps=len(data))
+
+    def train(model, opt, dst, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            dst.step()
+
+    model, opt, dst = build(0)
+    train(model, opt, dst, data[:3])
+    exec(save, {"torch": torch, "model": model, "opt": opt, "dst": dst})
+    train(model, opt, dst, data[3:])
+    resumed = dict(zip(("model", "opt", "dst"), build(1)), torch=torch)
+    exec("\n".join(load), resumed)
+    train(resumed["model"], resumed["opt"], resumed["dst"], data[3:])
+    for (name, a), b in zip(model.state_dict().items(), resumed["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_own_dst_algorithm_example():
     namespace = {"torch": torch, "snack": snack}
     exec(_block("class RandomDropGradientGrow"), namespace)

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     # the output folder first: a bad one must not cost the whole run's results
     out = args.out or Path("benchmarks/quick" if args.quick else "benchmarks")
     stem = device.type
-    outputs = [out / f"{stem}_layer.json", out / f"{stem}_layer.csv", out / f"{stem}_speedup.png"]
+    outputs = [out / f"{stem}_layer.{kind}" for kind in ("json", "csv", "md")] + [out / f"{stem}_speedup.png"]
     if (problem := _unusable_output(out, outputs)) is not None:
         print(f"snack bench: --out {str(out)!r} is not a usable folder: {problem}", file=sys.stderr)
         return 2
@@ -126,22 +126,26 @@ def run(args: argparse.Namespace) -> int:
         "grid": {"sizes": grid.sizes, "sparsities": grid.sparsities, "batches": grid.batches, "modes": grid.modes,
                  "repeats": grid.repeats},
     }
+    tables = "\n".join([
+        f"\n{metadata['date']} · {metadata['machine']} · `{command}`",
+        f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
+        "distance = snack time / roofline bound (below 1: the run was disturbed)\n",
+        format_table(times),
+        "\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n",
+        format_memory(memory),
+    ])  # fmt: skip
     # the tables first: if the files cannot be written after all, the results are on the terminal
-    print(f"\n{metadata['date']} · {metadata['machine']} · `{command}`")
-    print(f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
-          "distance = snack time / roofline bound\n")
-    print(format_table(times))
-    print("\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n")
-    print(format_memory(memory))
+    print(tables)
     title = f"{metadata['machine']} — {metadata['date']}"
     writers = [
         lambda path: write_json(path, metadata, times, memory),
         lambda path: write_csv(path, times),
+        lambda path: path.write_text(tables + "\n"),  # what the README quotes
         lambda path: write_plot(path, times, title),
     ]
     if importlib.util.find_spec("matplotlib") is None:  # an optional dependency (the [bench] extra)
         print("snack bench: matplotlib is not installed: no plot", file=sys.stderr)
-        outputs, writers = outputs[:2], writers[:2]
+        outputs, writers = outputs[:-1], writers[:-1]
     try:
         _write_together(outputs, writers)
     except OSError as error:

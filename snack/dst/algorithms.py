@@ -21,6 +21,7 @@ never regrown in the same update (RigL's and SET's reference code may regrow one
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -225,6 +226,18 @@ class SET(DropGrow):
 
     def grow(self, layer, k):
         return random_grow(layer.topology, k, self.generator)
+
+
+def _with_split_sign(base: inspect.Signature) -> inspect.Signature:
+    """``base`` (DropGrow's constructor) with SET's ``split_sign`` among its keyword arguments."""
+    parameters = list(base.parameters.values())
+    first_keyword = next(i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    split_sign = inspect.Parameter("split_sign", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool")
+    return base.replace(parameters=[*parameters[:first_keyword], split_sign, *parameters[first_keyword:]])
+
+
+# what help(SET) and inspect show: every argument with its default, not **kwargs
+SET.__init__.__signature__ = _with_split_sign(inspect.signature(DropGrow.__init__))
 
 
 class RigL(DropGrow):

@@ -58,9 +58,10 @@ class DynamicSparsity:
     grow, grow_values)`` for one layer, without side effects except drawing from
     ``self.generator``, and ``_config()``, the arguments :meth:`state_dict` saves and
     :meth:`load_state_dict` compares (and with ``needs_gradient``, ``_count(t, layer)``, how many
-    connections an update replaces). (To write a new drop-and-grow algorithm, subclass :class:`DropGrow`,
-    whose hooks are public.) With ``needs_gradient = True`` the layers' inputs and output
-    gradients are recorded during each update step's training step (:meth:`recorded_batch`).
+    connections an update replaces). (To write a new drop-and-grow algorithm, subclass
+    :class:`~snack.dst.algorithms.DropGrow`, whose hooks are public.) With ``needs_gradient =
+    True`` the layers' inputs and output gradients are recorded during each update step's
+    training step (:meth:`recorded_batch`).
 
     A frozen layer (``values.requires_grad`` False) stays among the layers acted on, but every
     update made while it is frozen leaves it alone (nothing dropped, grown or pruned; nothing

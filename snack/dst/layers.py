@@ -23,6 +23,9 @@ def listed(layers):
 
 
 def find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
+    """``[(qualified name, layer)]``: the SparseLinear layers of ``model`` that ``layers`` names
+    (``None``: all; names, glob patterns or modules, in the order given; a set in the model's
+    order), each once. Raises ``TypeError``/``ValueError`` naming what does not fit."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     named = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}

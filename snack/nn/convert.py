@@ -184,6 +184,10 @@ def sparsify(
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
 
+    Build the optimizer after this call: the converted layers' parameters are new objects, and an
+    optimizer built before holds the old dense ones (training would leave the sparse weights as
+    they are, silently).
+
     Each new layer keeps its predecessor's training mode and frozen parameters; a layer shared
     between places becomes one shared :class:`SparseLinear` (selected when one of its names is
     included and none excluded). Hooks registered on a replaced layer are not carried over; a

@@ -74,6 +74,12 @@ class SparseLinear(nn.Module):
         super().__init__()
         check_shape(out_features, in_features)
         in_features, out_features = int(in_features), int(out_features)
+        if not isinstance(bias, bool) and bias not in (0, 1):
+            # SparseLinear(in, out, 0.5) reads as a sparsity, but would be bias=0.5 at sparsity 0.9
+            raise TypeError(
+                f"SparseLinear: bias must be a bool, got {type(bias).__name__} {bias!r}; the sparsity is "
+                "keyword-only: SparseLinear(in_features, out_features, sparsity=...)"
+            )
         sparsity = check_sparsity(sparsity)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
@@ -180,6 +186,7 @@ class SparseLinear(nn.Module):
 
     @property
     def nnz(self) -> int:
+        """Number of stored connections (the length of ``row``, ``col`` and ``values``)."""
         return self.row.numel()
 
     @property
@@ -340,6 +347,9 @@ class SparseLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, input: Tensor) -> Tensor:
+        """``input (*, in_features)`` → ``(*, out_features)`` (a 1-D input gives a 1-D output), in
+        the layer's dtype: the input must have it (as for ``nn.Linear``; cast it, or the layer with
+        ``.to(dtype)``), except inside ``torch.autocast``, which casts both."""
         if tracing.fx_symbolic_tracing():
             return self._fx_forward(input)
         if not isinstance(input, Tensor):
@@ -363,7 +373,10 @@ class SparseLinear(nn.Module):
         x, cast_values, bias = autocast_inputs(input, values, bias)
         if x.dtype != cast_values.dtype:
             under = " under autocast" if cast_values is not values else ""
-            raise TypeError(f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}")
+            raise TypeError(
+                f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
+                f"the input (x.to({cast_values.dtype})) or the layer (layer.to({x.dtype}))"
+            )
         return _sparse_linear(x, cast_values, topology, bias, values)
 
     def _width_differs(self, input: Tensor) -> bool:
