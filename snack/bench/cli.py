@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     tables = "\n".join([
         f"\n{metadata['date']} · {metadata['machine']} · `{command}`",
         f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
-        "distance = snack time / roofline bound (below 1: the run was disturbed)\n",
+        "distance = snack time / roofline bound (below 1: the bandwidth measured first was low, a busy machine)\n",
         format_table(times),
         "\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n",
         format_memory(memory),
