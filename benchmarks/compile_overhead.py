@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 import snack
-from snack.bench.report import format_comparison
-from snack.bench.timing import interleaved_medians
+from snack.bench.report import compare_and_save
 
 SIZE, SPARSITY, SAMPLES = 4096, 0.9, 15
 OUT = Path(__file__).with_name("compile_overhead.txt")
@@ -35,20 +34,13 @@ def main() -> None:
         layer.values.grad = layer.bias.grad = None
         model(x32).sum().backward()
 
-    calls = {"inference, batch 1": inference, "training step, batch 32": training_step}
-    cases = {
-        (call, name): lambda run=run, model=model: run(model)
-        for call, run in calls.items()
-        for name, model in (("eager", layer), ("compiled", compiled))
-    }
-    # (the compiled variants compile in the warm-up)
-    seconds = interleaved_medians(cases, torch.device("cpu"), SAMPLES)
-    medians = {key: value * 1e3 for key, value in seconds.items()}
-
     setting = f"SparseLinear {SIZE}x{SIZE} at sparsity {SPARSITY}, medians of {SAMPLES} interleaved samples"
-    text = format_comparison(setting, "ms", ("eager", "compiled"), medians, list(calls), 3)
-    print(text, end="")
-    OUT.write_text(text)
+    # (the compiled variants compile in the warm-up)
+    compare_and_save(
+        {"inference, batch 1": inference, "training step, batch 32": training_step},
+        {"eager": layer, "compiled": compiled},
+        samples=SAMPLES, setting=setting, unit="ms", digits=3, out=OUT,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

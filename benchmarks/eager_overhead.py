@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 import snack
-from snack.bench.report import format_comparison
-from snack.bench.timing import interleaved_medians
+from snack.bench.report import compare_and_save
 
 SIZE, SPARSITY, BATCH, SAMPLES = 64, 0.9, 32, 15
 OUT = Path(__file__).with_name("eager_overhead.txt")
@@ -27,7 +26,7 @@ OUT = Path(__file__).with_name("eager_overhead.txt")
 def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers = {"SparseLinear": snack.SparseLinear(SIZE, SIZE, sparsity=SPARSITY), "nn.Linear": nn.Linear(SIZE, SIZE)}
+    layers = {"nn.Linear": nn.Linear(SIZE, SIZE), "SparseLinear": snack.SparseLinear(SIZE, SIZE, sparsity=SPARSITY)}
     x = torch.randn(BATCH, SIZE)
     x_grad = x.clone().requires_grad_()
 
@@ -41,19 +40,11 @@ def main() -> None:
             parameter.grad = None
         layer(x_grad).sum().backward()
 
-    calls = {"no-grad forward": inference, "training step": training_step}
-    cases = {
-        (call, name): lambda run=run, layer=layer: run(layer)
-        for call, run in calls.items()
-        for name, layer in layers.items()
-    }
-    seconds = interleaved_medians(cases, torch.device("cpu"), SAMPLES)
-    medians = {key: value * 1e6 for key, value in seconds.items()}
-
     setting = f"{SIZE}x{SIZE} at sparsity {SPARSITY}, batch {BATCH}, medians of {SAMPLES} interleaved samples"
-    text = format_comparison(setting, "µs", ("nn.Linear", "SparseLinear"), medians, list(calls), 1)
-    print(text, end="")
-    OUT.write_text(text)
+    compare_and_save(
+        {"no-grad forward": inference, "training step": training_step}, layers,
+        samples=SAMPLES, setting=setting, unit="µs", digits=1, out=OUT,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snack.bench import Machine, cli
-from snack.bench.report import format_comparison
+from snack.bench.report import compare_and_save, format_comparison
 from snack.bench.roofline import sparse_bound
 from snack.bench.timing import Timer, interleaved_samples
 from snack.bench.variants import TorchSparseCSR, build_variants
@@ -150,6 +150,20 @@ def test_format_comparison_dates_the_table_and_divides_the_second_by_the_first()
     assert lines[3:] == [
         "| call | a µs | b µs | b / a |", "|---|---|---|---|", "| forward | 10.0 | 25.0 | 2.50 |", "| step | 4.0 | 3.0 | 0.75 |"
     ]
+
+
+def test_compare_and_save_times_every_call_on_both_variants_and_saves_the_table(tmp_path, capsys):
+    ran = []
+    out = tmp_path / "comparison.txt"
+    compare_and_save(
+        {"call": lambda variant: ran.append(variant)}, {"base": "b", "new": "n"},
+        samples=2, setting="tiny", unit="µs", digits=1, out=out,
+    )  # fmt: skip
+    assert set(ran) == {"b", "n"}
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    assert "| call | base µs | new µs | new / base |" in text
+    assert re.search(r"\n\| call \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|\n", text)  # the one case's medians
 
 
 def test_roofline_bound():

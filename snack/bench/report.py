@@ -13,8 +13,9 @@ import torch
 
 from snack.bench.harness import MemoryRecord, TimeRecord, select
 from snack.bench.provenance import machine_line, utc_stamp
+from snack.bench.timing import interleaved_medians
 
-__all__ = ["format_comparison", "format_memory", "format_table", "write_csv", "write_json", "write_plot"]
+__all__ = ["compare_and_save", "format_comparison", "format_memory", "format_table", "write_csv", "write_json", "write_plot"]
 
 
 def _size_label(out_features: int, in_features: int) -> str:
@@ -151,3 +152,22 @@ def format_comparison(
         a, b = medians[(case, first)], medians[(case, second)]
         lines.append(f"| {case} | {a:.{digits}f} | {b:.{digits}f} | {b / a:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def compare_and_save(
+    calls: dict, variants: dict, *, samples: int, setting: str, unit: str, digits: int, out: Path
+) -> None:
+    """Time each of ``calls`` (name → ``run(variant)``) on both ``variants`` (name → object, the
+    baseline first) on the CPU, interleaved (:func:`snack.bench.timing.interleaved_medians`);
+    print the :func:`format_comparison` table (medians in ``unit``, ``"ms"`` or ``"µs"``) and
+    save it to ``out``: what the small benchmark scripts (``benchmarks/*_overhead.py``) do."""
+    cases = {
+        (call, name): (lambda run=run, variant=variant: run(variant))
+        for call, run in calls.items()
+        for name, variant in variants.items()
+    }
+    scale = {"ms": 1e3, "µs": 1e6}[unit]
+    medians = {key: value * scale for key, value in interleaved_medians(cases, torch.device("cpu"), samples).items()}
+    text = format_comparison(setting, unit, tuple(variants), medians, list(calls), digits)
+    print(text, end="")
+    out.write_text(text)
