@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from snack.ranking import k_largest_positions, ordering_keys
+
 INDEX_DTYPE = torch.int32
 # int32 coordinates and pointers: nnz and each dimension must stay below 2**31.
 MAX_INDEX = 2**31 - 1
@@ -265,19 +267,15 @@ def largest_magnitudes(flat: Tensor, k: int, *, block: int = BLOCK_ELEMENTS) -> 
     n = flat.numel()
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}], got {k}")
-    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
-    if not flat.is_floating_point() or integer is None:
+    if not flat.is_floating_point() or flat.element_size() not in (2, 4, 8):
         raise TypeError(f"largest_magnitudes needs a 16-, 32- or 64-bit floating tensor, got {flat.dtype}")
-    if n <= block:  # one block: a sort is as small, and faster for small layers
-        return torch.sort(flat.abs(), descending=True, stable=True).indices[:k].sort().values
+    if n <= block:  # one block: selected whole
+        return k_largest_positions(ordering_keys(flat.abs()), k)
     bits = 8 * flat.element_size() - 1  # |x| has a zero sign bit
-    # every NaN alike (their payloads differ) and above inf, as torch.sort orders them: NaNs are
-    # the patterns above inf's
-    nan_key = int(torch.tensor(float("inf"), dtype=flat.dtype).view(integer)) + 1
 
     def keys(start: int) -> Tensor:
         # the magnitudes' bit patterns as int64, ordered as the magnitudes
-        return flat[start:start + block].abs().view(integer).to(torch.int64).clamp_max_(nan_key)
+        return ordering_keys(flat[start:start + block].abs()).to(torch.int64)
 
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)

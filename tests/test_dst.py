@@ -598,14 +598,14 @@ def test_unknown_optimizer_state_shape_fails_before_any_change():
     assert dst.step_count == 1
 
 
-@pytest.mark.parametrize("where", ["plan_rewire", "validate_coo"])
+@pytest.mark.parametrize("where", ["plan_rewire", "_data_swap"])
 @pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
 def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, where, monkeypatch):
     """Every layer's rewiring is computed, and every tensor it needs allocated, before any is
     applied: an error on the last one (here an allocation failure, while planning it or in the
     checks and copies of its new topology, which once ran while applying) leaves the first ones,
     the optimizer and the RNG untouched, and a retry gives the update an undisturbed run gives."""
-    module = {"plan_rewire": snack.dst.base, "validate_coo": snack.nn.layer}[where]
+    module = {"plan_rewire": snack.dst.base, "_data_swap": snack.nn.layer}[where]
     runs = []
     for fail in (True, False):
         model = _model()

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import snack
 from snack.dst import DropSchedule, cubic_sparsity, gradient_grow, magnitude_drop, random_grow, rewire
@@ -79,6 +81,31 @@ def test_random_grow_of_every_inactive_position_is_quick_and_exact():
     assert torch.equal(everything, torch.arange(512 * 512))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("split_sign", [False, True])
+def test_magnitude_drop_picks_what_a_stable_sort_picks(dtype, split_sign):
+    """magnitude_drop selects without sorting: the same positions as the stable sorts it
+    replaced, with most weights tied (one decimal), signed zeros and NaNs among them."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(5000, generator=generator).round(decimals=1)
+    values[::17], values[::13] = float("nan"), -0.0
+    values = values.to(dtype)
+    for k in (0, 1, 999, 2500, 4999, 5000):
+        if split_sign:
+            negative = values < 0
+            positive, negative = (~negative).nonzero().squeeze(1), negative.nonzero().squeeze(1)
+            k_pos = min(positive.numel(), round(k * positive.numel() / values.numel()))
+            k_neg = min(negative.numel(), k - k_pos)
+            k_pos = k - k_neg
+            expected = torch.cat([
+                positive[torch.sort(values[positive], stable=True).indices[:k_pos]],
+                negative[torch.sort(values[negative], stable=True, descending=True).indices[:k_neg]],
+            ]).sort().values  # fmt: skip
+        else:
+            expected = torch.sort(values.abs(), stable=True).indices[:k].sort().values
+        assert torch.equal(magnitude_drop(values, k, split_sign=split_sign), expected)
+
+
 def test_random_grow_refuses_more_than_the_inactive_positions():
     topo = _topology(4, 5, 0.5)
     with pytest.raises(ValueError, match="inactive"):
@@ -93,9 +120,8 @@ def test_gradient_grow_matches_a_dense_reference(block_elements):
     k = 15
     dense = (dy.t() @ x).abs().reshape(-1)
     dense[linear_index(topo)] = -1
-    expected = dense.topk(k).indices.sort().values
     got = gradient_grow(x, dy, topo, k, block_elements=block_elements)
-    assert torch.equal(got, expected)
+    assert torch.equal(got, _top_k_positions(dense, k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -109,8 +135,33 @@ def test_gradient_grow_scores_16_bit_records_in_float32(dtype):
     x, dy = (torch.rand(8, 9) + 100).to(dtype), (torch.rand(8, 12) + 100).to(dtype)
     dense = (dy.double().t() @ x.double()).reshape(-1)
     dense[linear_index(topo)] = -1
-    k = 10
-    assert torch.equal(gradient_grow(x, dy, topo, k), dense.topk(k).indices.sort().values)
+    k = 10  # the 10th largest score is shared by three positions: the lowest one is grown
+    assert torch.equal(gradient_grow(x, dy, topo, k), _top_k_positions(dense, k))
+
+
+@given(st.integers(1, 12), st.integers(1, 12), st.floats(0.0, 0.95), st.integers(1, 60), st.data())
+@settings(max_examples=60, deadline=None)
+def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity, block_elements, data):
+    """Integer records make most scores equal: the picks are the k best by (score, then lowest
+    position), whatever the blocks (one row up to the whole matrix) and however often the
+    candidates are cut back to the best k."""
+    topo = _topology(out, in_, sparsity, seed=data.draw(st.integers(0, 3)))
+    inactive = out * in_ - topo.nnz
+    if inactive == 0:
+        return
+    k = data.draw(st.integers(1, inactive))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 3)))
+    x = torch.randint(-2, 3, (3, in_), generator=generator).double()
+    dy = torch.randint(-2, 3, (3, out), generator=generator).double()
+    dense = (dy.t() @ x).abs().reshape(-1)
+    dense[linear_index(topo)] = -1
+    assert torch.equal(gradient_grow(x, dy, topo, k, block_elements=block_elements), _top_k_positions(dense, k))
+
+
+def _top_k_positions(scores, k):
+    """The sorted positions of the ``k`` largest ``scores``, equal ones going to the lower
+    position (a stable sort keeps equal scores in position order), as gradient_grow picks them."""
+    return torch.sort(scores, descending=True, stable=True).indices[:k].sort().values
 
 
 def test_rewire_keeps_invariants_values_and_zero_initialises_new_connections():
@@ -131,6 +182,35 @@ def test_rewire_keeps_invariants_values_and_zero_initialises_new_connections():
     # caches were rebuilt for the new coordinates
     assert layer.topology.rowptr is not rowptr_before
     assert torch.equal(layer.topology.rowptr.diff(), torch.bincount(layer.row.long(), minlength=12).int())
+
+
+@given(st.integers(1, 9), st.integers(1, 9), st.floats(0.0, 0.9), st.data())
+@settings(max_examples=60, deadline=None)
+def test_rewire_matches_a_reference_kept_by_position(out, in_, sparsity, data):
+    """rewire merges the kept and the grown connections without sorting them all: the result,
+    the values and Adam's state follow each connection, for any drop (none, all), grow in any
+    order (also regrowing dropped positions) and any grow_values."""
+    torch.manual_seed(data.draw(st.integers(0, 3)))
+    layer = snack.SparseLinear(in_, out, sparsity=sparsity)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, in_)).sum().backward()
+    opt.step()
+    old = linear_index(layer.topology).tolist()
+    drop = data.draw(st.lists(st.sampled_from(range(len(old))), unique=True)) if old else []
+    free = sorted(set(range(out * in_)) - set(old) | {old[i] for i in drop})
+    grow = data.draw(st.lists(st.sampled_from(free), unique=True, max_size=len(free))) if free else []
+    grow_values = torch.randn(len(grow))
+    values = dict(zip(old, layer.values.tolist()))
+    moments = dict(zip(old, opt.state[layer.values]["exp_avg"].tolist()))
+    for i in drop:
+        del values[old[i]], moments[old[i]]
+    for position, value in zip(grow, grow_values.tolist()):
+        values[position], moments[position] = value, 0.0
+    drop, grow = torch.tensor(drop, dtype=torch.int64), torch.tensor(grow, dtype=torch.int64)
+    rewire(layer, opt, drop, grow, grow_values=grow_values)
+    assert linear_index(layer.topology).tolist() == sorted(values)
+    assert layer.values.tolist() == [values[p] for p in sorted(values)]
+    assert opt.state[layer.values]["exp_avg"].tolist() == [moments[p] for p in sorted(values)]
 
 
 @pytest.mark.parametrize(

@@ -93,14 +93,14 @@ def remapped_state(optimizer: torch.optim.Optimizer, param: Tensor, src: Tensor,
     if not state:
         return None
     check_state(optimizer, param, name)
-    kept = src >= 0
+    new = src < 0
+    gather = src.clamp(min=0)  # new connections read entry 0, then overwritten: one gather, no masked index
     fresh = _fresh_values(optimizer, param)
     new_state = {}
     for key, value in state.items():
         if isinstance(value, Tensor) and value.dim() > 0:
-            remapped = value.new_full(src.shape, fresh.get(key, 0.0))
-            remapped[kept] = value[src[kept]]
-            new_state[key] = remapped
+            remapped = value[gather] if value.numel() else value.new_empty(src.shape)
+            new_state[key] = remapped.masked_fill_(new, fresh.get(key, 0.0))
         else:
             new_state[key] = value
     return new_state

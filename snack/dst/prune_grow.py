@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from snack.ranking import k_largest_positions, k_smallest_positions, ordering_keys
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
@@ -41,7 +42,7 @@ def magnitude_drop(values: Tensor, k: int, *, split_sign: bool = False) -> Tenso
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=values.device)
     if not split_sign:
-        return torch.sort(values.abs(), stable=True).indices[:k].sort().values
+        return k_smallest_positions(ordering_keys(values.abs()), k)
     # NaN counts as positive, and sorts last there: dropped last, as without split_sign
     negative_mask = values < 0
     positive = (~negative_mask).nonzero().squeeze(1)
@@ -49,8 +50,10 @@ def magnitude_drop(values: Tensor, k: int, *, split_sign: bool = False) -> Tenso
     k_pos = min(positive.numel(), round(k * positive.numel() / values.numel()))
     k_neg = min(negative.numel(), k - k_pos)
     k_pos = k - k_neg  # if one sign is short, the other gives the rest
-    drop_pos = positive[torch.sort(values[positive], stable=True).indices[:k_pos]]
-    drop_neg = negative[torch.sort(values[negative], stable=True, descending=True).indices[:k_neg]]
+    # (abs of the non-negative ones only clears a NaN's sign bit; the negative ones nearest 0 are
+    # the smallest of -w)
+    drop_pos = positive[k_smallest_positions(ordering_keys(values[positive].abs()), k_pos)]
+    drop_neg = negative[k_smallest_positions(ordering_keys(-values[negative]), k_neg)]
     return torch.cat([drop_pos, drop_neg]).sort().values
 
 
@@ -80,15 +83,20 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
         missing = k - found.numel()
         # draw enough that about `missing` survive rejection (acceptance rate inactive/total)
         n_draw = min(_MAX_DRAW, math.ceil(missing * total / inactive * 1.25) + 16)
-        draw = torch.randint(0, total, (n_draw,), generator=generator)
+        # sorted and distinct before the binary searches, which then walk the active positions
+        # in order (5.6x faster than random queries: 19 against 106 ms for 700k draws among 1.7M)
+        draw = torch.unique(torch.randint(0, total, (n_draw,), generator=generator))
         if active.numel():
             at = torch.searchsorted(active, draw).clamp_(max=active.numel() - 1)
             draw = draw[active[at] != draw]
-        found = torch.unique(torch.cat([found, draw]))
+        found = torch.unique(torch.cat([found, draw])) if found.numel() else draw
     if found.numel() > k:
         # the distinct accepted draws are an exchangeable subset of the inactive positions,
         # so a uniformly random k-subset of them is a uniform k-subset of the inactive set
-        found = found[torch.randperm(found.numel(), generator=generator)[:k]].sort().values
+        # (marked, not gathered, so that it stays sorted)
+        keep = torch.zeros(found.numel(), dtype=torch.bool)
+        keep[torch.randperm(found.numel(), generator=generator)[:k]] = True
+        found = found[keep]
     return found.to(topology.device)
 
 
@@ -107,11 +115,12 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
-    (``rows · in <= block_elements``, at least one row), active positions of the block are
-    masked out, and a running top-``k`` is kept across blocks (once ``k`` are kept, only scores
-    reaching the ``k``-th best join it), so at most two blocks plus ``k`` scores exist at once:
-    the ``out × in`` gradient only for a layer that fits in one block (4 MB of float32 scores by
-    default).
+    (``rows · in <= block_elements``, at least one row) and its active positions are masked out.
+    The scores that beat the ``k``-th best so far are kept as candidates; when ``2k`` of them
+    accumulate they are cut back to the best ``k`` (a quickselect, O(candidates)), which raises
+    the bar for the blocks that follow. So at most one block plus ``2k`` candidates exist at
+    once: the ``out × in`` gradient only for a layer that fits in one block (4 MB of float32
+    scores by default). Equal scores go to the lower position; NaN ranks above every number.
 
     Args:
         x: ``(B, in)`` layer inputs of the batch.
@@ -137,25 +146,33 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     score_dtype = torch.promote_types(x.dtype, torch.float32)
     x, dy_t = x.to(score_dtype), dy.t()
     rows_per_block = max(1, block_elements // in_features)
-    best_scores = x.new_empty(0)
-    best_index = torch.empty(0, dtype=torch.int64, device=x.device)
+    # candidates, in increasing position (blocks come in order, and cuts keep it), as integer
+    # ordering keys: one comparison then ranks NaN first, with no special case
+    # (in lists of pieces, joined when cut: joining at every block copied them again and again)
+    keys: list[Tensor] = []
+    positions: list[Tensor] = []
+    held = 0
+    bar = None  # the k-th best key once k candidates were seen: only better scores can enter
     for first in range(0, out_features, rows_per_block):
         last = min(out_features, first + rows_per_block)
-        scores = (dy_t[first:last].to(score_dtype) @ x).abs_().view(-1)  # (rows · in,)
+        # (a contiguous slice of dyᵀ: the product took twice as long from the strided one)
+        block = ordering_keys((dy_t[first:last].to(score_dtype).contiguous() @ x).abs_().view(-1))  # (rows · in,)
         lo, hi = rowptr[first], rowptr[last]
-        scores[(row[lo:hi] - first) * in_features + col[lo:hi]] = -1.0  # below every |grad|
-        if best_scores.numel() == k:
-            # only scores reaching the k-th best so far can enter: a topk of every block took 5.7x
-            # as long (a 20000² layer at 99.99%, batch 8, growing 12000: 6.7 -> 1.2 s)
-            # (NaN included, and counted above every score for the k-th best: topk ranks it first)
-            kth_best = best_scores.nan_to_num(nan=float("inf")).min()
-            block_index = ((scores >= kth_best) | scores.isnan()).nonzero().squeeze(1)
-            block_scores = scores[block_index]
-        else:
-            block_scores, block_index = scores.topk(min(k, scores.numel()))
-        best_scores = torch.cat([best_scores, block_scores])
-        best_index = torch.cat([best_index, block_index + first * in_features])
-        if best_scores.numel() > k:
-            best_scores, keep = best_scores.topk(k)
-            best_index = best_index[keep]
-    return best_index.sort().values
+        block[(row[lo:hi] - first) * in_features + col[lo:hi]] = -1  # active: below every score
+        # (a later score equal to the bar loses to the kept ones, which have lower positions)
+        entering = (block > bar if bar is not None else block >= 0).nonzero().squeeze(1)
+        keys.append(block[entering])
+        positions.append(entering + first * in_features)
+        held += entering.numel()
+        if held >= 2 * k:
+            keys, positions = _best_k(keys, positions, k)
+            held, bar = k, keys[0].min()
+    return _best_k(keys, positions, k)[1][0]
+
+
+def _best_k(keys: list[Tensor], positions: list[Tensor], k: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The ``k`` best candidates (largest key, then lowest position) of pieces in increasing
+    position, as one piece of each."""
+    keys_joined, positions_joined = torch.cat(keys), torch.cat(positions)
+    best = k_largest_positions(keys_joined, k)
+    return [keys_joined[best]], [positions_joined[best]]

@@ -16,9 +16,8 @@ import torch
 from torch import Tensor
 
 from snack.dst.optim_state import check_optimizer, remapped_state
-from snack.dst.prune_grow import linear_index
 from snack.nn.layer import SparseLinear, _NewTopology
-from snack.topology import coo_from_linear
+from snack.topology import MAX_INDEX, coo_from_linear, linear_positions
 
 __all__ = ["Rewiring", "plan_rewire", "rewire"]
 
@@ -52,9 +51,35 @@ def _positions(tensor, argument: str, name: str, limit: int, device: torch.devic
         raise ValueError(
             f"{name}: {argument} positions must be in [0, {limit}), got {int(tensor.min())}..{int(tensor.max())}"
         )
-    if tensor.unique().numel() != tensor.numel():
+    if not _increasing(tensor) and tensor.unique().numel() != tensor.numel():  # sorted ones need no sort
         raise ValueError(f"{name}: {argument} positions must be unique")
     return tensor
+
+
+def _increasing(positions: Tensor) -> bool:
+    return positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all())
+
+
+def _merge_slots(kept: Tensor, grow: Tensor, name: str) -> tuple[Tensor, Tensor]:
+    """Where the kept and the grown connections go in the new row-major order: two sorted lists
+    merged in O(nnz) (an argsort of all positions took 5x as long at 1.7M connections).
+
+    Args:
+        kept: ``(n_kept,)`` sorted linear positions of the connections that stay.
+        grow: ``(n_grow,)`` sorted linear positions of the new ones, none of them in ``kept``.
+
+    Returns:
+        ``(kept_slots, grown_slots)``: int64 indices into the ``(n_kept + n_grow,)`` new topology.
+    """
+    # each grown connection goes after the kept ones below it and the grown ones before it
+    # (sorted queries: the binary searches walk `kept` in order)
+    below = torch.searchsorted(kept, grow)
+    if kept.numel() and bool((kept[below.clamp(max=kept.numel() - 1)] == grow).any()):
+        raise ValueError(f"{name}: grow positions must be inactive (or dropped in this same call)")
+    grown_slots = below + torch.arange(grow.numel(), device=grow.device)
+    grown = torch.zeros(kept.numel() + grow.numel(), dtype=torch.bool, device=grow.device)
+    grown[grown_slots] = True
+    return (~grown).nonzero().squeeze(1), grown_slots
 
 
 def plan_rewire(
@@ -89,16 +114,24 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
     keep = torch.ones(layer.nnz, dtype=torch.bool, device=values.device)
     keep[drop] = False
     kept = keep.nonzero().squeeze(1)
-    linear = torch.cat([linear_index(layer.topology)[kept], grow])
-    src = torch.cat([kept, torch.full_like(grow, -1)])
-    new_values = torch.cat([values.detach()[kept], grow_values.to(values.device, values.dtype)])
-    order = torch.argsort(linear)
-    linear, src, new_values = linear[order], src[order], new_values[order]
-    if linear.numel() > 1 and not bool((linear[1:] > linear[:-1]).all()):
-        raise ValueError(f"{name}: grow positions must be inactive (or dropped in this same call)")
+    grow_values = grow_values.to(values.device, values.dtype)
+    if not _increasing(grow):  # the algorithms' come sorted
+        order = torch.argsort(grow)
+        grow, grow_values = grow[order], grow_values[order]
+    topology = layer.topology
+    kept_row, kept_col = topology.row[kept], topology.col[kept]
+    kept_slots, grown_slots = _merge_slots(linear_positions(kept_row, kept_col, layer.in_features), grow, name)
+    new_nnz = kept.numel() + grow.numel()
+    if new_nnz > MAX_INDEX:
+        raise ValueError(f"{name}: {new_nnz} connections after rewiring; int32 indices hold at most {MAX_INDEX}")
+    grown_row, grown_col = coo_from_linear(grow, layer.in_features)
+    row, col, src = kept_row.new_empty(new_nnz), kept_col.new_empty(new_nnz), grow.new_full((new_nnz,), -1)
+    new_values = values.new_empty(new_nnz)
+    row[kept_slots], col[kept_slots], src[kept_slots] = kept_row, kept_col, kept
+    new_values[kept_slots] = values.detach()[kept]
+    row[grown_slots], col[grown_slots], new_values[grown_slots] = grown_row, grown_col, grow_values
     state = remapped_state(optimizer, values, src, name)
-    row, col = coo_from_linear(linear, layer.in_features)
-    return Rewiring(layer, optimizer, layer._prepare_topology(row, col, new_values, copy=False), state)
+    return Rewiring(layer, optimizer, layer._prepare_topology(row, col, new_values, made_for_it=True), state)
 
 
 def rewire(

@@ -282,11 +282,16 @@ class SparseLinear(nn.Module):
         with torch.inference_mode(False):
             self._commit_topology(self._prepare_topology(row, col, values))
 
-    def _prepare_topology(self, row: Tensor, col: Tensor, values: Tensor | None, *, copy: bool = True) -> _NewTopology:
+    def _prepare_topology(
+        self, row: Tensor, col: Tensor, values: Tensor | None, *, made_for_it: bool = False
+    ) -> _NewTopology:
         """Check a new topology and make every tensor :meth:`_commit_topology` needs (the
-        allocations that may fail), changing nothing. ``copy=False``: the caller hands over
-        ``row``/``col``/``values`` it made for this (they must not alias anything)."""
-        validate_coo(row, col, (self.out_features, self.in_features))
+        allocations that may fail), changing nothing. ``made_for_it=True``: the caller
+        (:func:`snack.dst.rewire`) made ``row``/``col``/``values`` for this, valid by
+        construction (int32, sorted, unique, in range) and aliasing nothing: they are neither
+        validated again nor copied."""
+        if not made_for_it:
+            validate_coo(row, col, (self.out_features, self.in_features))
         if row.device != self.values.device:
             raise ValueError(f"row/col must be on the layer's device {self.values.device}, got {row.device}")
         if values is None:
@@ -296,8 +301,8 @@ class SparseLinear(nn.Module):
             raise ValueError(
                 f"values must be {self.values.dtype} on {self.values.device}, got {values.dtype} on {values.device}"
             )
-        row, col = row.to(torch.int32, copy=copy), col.to(torch.int32, copy=copy)
-        values = values.detach().clone() if copy else values.detach()
+        row, col = row.to(torch.int32, copy=not made_for_it), col.to(torch.int32, copy=not made_for_it)
+        values = values.detach() if made_for_it else values.detach().clone()
         return _NewTopology(row, col, values, _data_swap(self.values, values), self._derived_topology(row, col))
 
     def _derived_topology(self, row: Tensor, col: Tensor) -> Topology:

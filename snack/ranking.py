@@ -1,0 +1,56 @@
+"""Order statistics without sorting: the positions of the ``k`` largest or smallest keys.
+
+Picking connections (the weakest to drop, the largest gradients to grow, the largest weights of
+a dense matrix) must be reproducible, so equal keys go to the lower position: what a stable sort
+would pick. A sort costs O(n log n) for an answer O(n) work finds: a quickselect of the ``k``-th
+key (``torch.kthvalue``) and comparisons (1.7M float32: 240 ms for a stable sort on this
+project's CPU, about 40 ms this way).
+
+Floats are ranked through integer keys (:func:`ordering_keys`): a non-negative IEEE 754 float's
+bit pattern, read as an integer, orders as its value, and NaN's patterns lie above inf's, so
+one comparison of integers ranks NaN above every number, as ``torch.sort`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["k_largest_positions", "k_smallest_positions", "ordering_keys"]
+
+_INTEGER_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def ordering_keys(nonnegative: Tensor) -> Tensor:
+    """Integer keys (the same width: int16, int32 or int64) ordered as the non-negative floats
+    ``nonnegative`` are, every NaN equal and above inf. Works in place: pass a tensor made for
+    this (e.g. ``x.abs()``), which becomes the keys."""
+    integer = _INTEGER_OF_SIZE[nonnegative.element_size()]
+    nan_key = int(torch.tensor(float("inf"), dtype=nonnegative.dtype).view(integer)) + 1
+    return nonnegative.view(integer).clamp_max_(nan_key)  # NaN payloads differ: one key for all
+
+
+def k_largest_positions(keys: Tensor, k: int) -> Tensor:
+    """Positions (int64, sorted) of the ``k`` largest of the 1-D ``keys`` (integers, e.g. from
+    :func:`ordering_keys`, or floats without NaN); equal keys go to the lower position. ``k``
+    beyond the length gives every position."""
+    return _k_extreme_positions(keys, k, largest=True)
+
+
+def k_smallest_positions(keys: Tensor, k: int) -> Tensor:
+    """Positions (int64, sorted) of the ``k`` smallest of the 1-D ``keys`` (as for
+    :func:`k_largest_positions`); equal keys go to the lower position."""
+    return _k_extreme_positions(keys, k, largest=False)
+
+
+def _k_extreme_positions(keys: Tensor, k: int, *, largest: bool) -> Tensor:
+    n = keys.numel()
+    if k >= n:
+        return torch.arange(n, device=keys.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=keys.device)
+    kth = torch.kthvalue(keys, n - k + 1 if largest else k).values
+    chosen = keys > kth if largest else keys < kth
+    ties = (keys == kth).nonzero().squeeze(1)[: k - int(chosen.sum())]  # the lowest positions
+    chosen[ties] = True
+    return chosen.nonzero().squeeze(1)

@@ -1,0 +1,56 @@
+"""snack.ranking: positions of the k largest/smallest keys, and integer keys ordering floats."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snack.ranking import k_largest_positions, k_smallest_positions, ordering_keys
+
+
+def _stable_reference(keys, k, *, largest):
+    """What a stable sort picks: the k first in (key, position) order, sorted by position."""
+    return torch.sort(keys, descending=largest, stable=True).indices[:k].sort().values
+
+
+# few distinct values, so that most keys tie with others
+@given(st.lists(st.integers(-3, 3), max_size=40), st.data())
+@settings(max_examples=200, deadline=None)
+def test_k_extreme_positions_pick_what_a_stable_sort_picks(values, data):
+    keys = torch.tensor(values, dtype=torch.int32)
+    k = data.draw(st.integers(0, len(values) + 2))
+    for largest, select in ((True, k_largest_positions), (False, k_smallest_positions)):
+        got = select(keys, k)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, _stable_reference(keys, k, largest=largest))
+
+
+def test_k_extreme_positions_of_large_inputs():
+    # beyond the sizes hypothesis draws: ties spread over a million keys
+    keys = torch.randint(0, 1000, (1 << 20,), generator=torch.Generator().manual_seed(0))
+    for k in (1, 777, 1 << 19):
+        assert torch.equal(k_largest_positions(keys, k), _stable_reference(keys, k, largest=True))
+        assert torch.equal(k_smallest_positions(keys, k), _stable_reference(keys, k, largest=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_ordering_keys_order_floats_as_a_sort_does_with_every_nan_last_and_equal(dtype):
+    info = torch.finfo(dtype)
+    floats = torch.tensor(
+        [0.0, info.tiny / 4, info.tiny, 1.0, 1.0, 2.5, info.max, float("inf"), float("nan"), 0.5, float("nan")],
+        dtype=dtype,
+    )
+    integer = {2: torch.int16, 4: torch.int32, 8: torch.int64}[floats.element_size()]
+    floats.view(integer)[-1] += 1  # another NaN payload, which a sort ranks equal to the first
+    assert floats[-1].isnan()
+    expected = torch.sort(floats, stable=True).indices
+    keys = ordering_keys(floats.clone())
+    assert keys.dtype == integer
+    assert torch.equal(torch.sort(keys, stable=True).indices, expected)
+    assert keys[-1] == keys[-3]  # both NaNs
+
+
+def test_ordering_keys_work_in_place():
+    floats = torch.tensor([2.0, float("nan")])
+    keys = ordering_keys(floats)
+    assert keys.data_ptr() == floats.data_ptr()
