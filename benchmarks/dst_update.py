@@ -1,0 +1,78 @@
+"""What a topology update costs: a training step with a SET or RigL update against one without.
+
+Usage: ``.venv/bin/python benchmarks/dst_update.py`` (about two minutes); writes
+``benchmarks/dst_update.txt``, which the README quotes.
+
+Each case is one SparseLinear trained with Adam at batch 32: a plain training step (forward,
+backward, optimizer step), and the same step followed by an update (``dst.step()`` with
+``update_every=1``, replacing a constant 30% of the connections, RigL's default fraction). The
+update's cost is the difference, also given in plain training steps: with ``update_every=N`` an
+update adds that many steps' worth of time every N steps. The three variants run in one process,
+interleaved sample by sample, with the lead-in of :class:`snack.bench.timing.Timer`; the figures
+are medians over the samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import snack
+from snack.bench.provenance import machine_line, utc_stamp
+from snack.bench.timing import interleaved_medians
+
+CASES = [(4096, 4096, 0.9), (4096, 4096, 0.99), (768, 3072, 0.9)]  # (out, in, sparsity)
+BATCH, DROP_FRACTION, SAMPLES = 32, 0.3, 7
+OUT = Path(__file__).with_name("dst_update.txt")
+
+
+def _variant(out_features: int, in_features: int, sparsity: float, algorithm):
+    """One training step of a fresh layer (and its update by ``algorithm``, unless ``None``)."""
+    layer = snack.SparseLinear(in_features, out_features, sparsity=sparsity)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    dst = None
+    if algorithm is not None:
+        dst = algorithm(
+            layer, optimizer, drop_fraction=DROP_FRACTION, update_every=1, total_steps=10**9, schedule="constant"
+        )
+    x, dy = torch.randn(BATCH, in_features), torch.randn(BATCH, out_features)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        layer(x).backward(dy)
+        optimizer.step()
+        if dst is not None:
+            dst.step()
+
+    return step
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    algorithms = {"step": None, "SET": snack.dst.SET, "RigL": snack.dst.RigL}
+    lines = [
+        f"{utc_stamp()} · {machine_line(torch.device('cpu'))}",
+        f"SparseLinear + Adam, batch {BATCH}, {DROP_FRACTION:.0%} of the connections replaced per update, "
+        f"medians of {SAMPLES} interleaved samples; update = (step with update) - (step)",
+        "",
+        "| layer (out×in) | sparsity | training step ms | SET update ms | RigL update ms "
+        "| SET update, in steps | RigL update, in steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for out_features, in_features, sparsity in CASES:
+        steps = {name: _variant(out_features, in_features, sparsity, a) for name, a in algorithms.items()}
+        ms = {name: seconds * 1e3 for name, seconds in interleaved_medians(steps, torch.device("cpu"), SAMPLES).items()}
+        set_update, rigl_update = ms["SET"] - ms["step"], ms["RigL"] - ms["step"]
+        lines.append(
+            f"| {out_features}×{in_features} | {sparsity} | {ms['step']:.2f} | {set_update:.1f} | {rigl_update:.1f} "
+            f"| {set_update / ms['step']:.0f} | {rigl_update / ms['step']:.0f} |"
+        )
+        print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    OUT.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
