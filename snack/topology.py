@@ -367,9 +367,14 @@ class Topology:
     def csc_perm(self) -> Tensor:
         """``(nnz,)`` int32 permutation into column-major order (computed on first use)."""
         if self._csc_perm is None:
-            # row-major order is already sorted by row, so a stable sort by column yields (col, row) order
-            self._csc_perm = _outside_transient_modes(lambda: torch.sort(self.col, stable=True).indices.to(INDEX_DTYPE))
+            # row-major order is already sorted by row, so a stable sort by column yields (col, row)
+            # order; of 16-bit columns where they fit (1.5x faster: 17 against 27 ms for 1.7M)
+            self._csc_perm = _outside_transient_modes(self._column_order)
         return self._csc_perm
+
+    def _column_order(self) -> Tensor:
+        key = self.col.to(torch.int16) if self.shape[1] <= 1 << 15 else self.col
+        return torch.sort(key, stable=True).indices.to(INDEX_DTYPE)
 
     @property
     def colptr(self) -> Tensor:

@@ -93,16 +93,22 @@ def test_largest_magnitudes_rejects_a_bad_k():
         largest_magnitudes(torch.ones(3), 4)
 
 
-def test_topology_derived_data_matches_definitions():
-    row, col = random_coo(37, 23, 0.8, generator=torch.Generator().manual_seed(1))
-    topo = Topology(row, col, (37, 23))
+# the column order sorts 16-bit columns up to 2**15 columns, the int32 ones beyond
+@pytest.mark.parametrize("in_features, sparsity", [(23, 0.8), (1 << 15, 0.999), ((1 << 15) + 1, 0.999)])
+def test_topology_derived_data_matches_definitions(in_features, sparsity):
+    row, col = random_coo(37, in_features, sparsity, generator=torch.Generator().manual_seed(1))
+    if in_features > 23:  # also the first and the last column (where 16 bits would overflow) in every row
+        edges = {(r, c) for r in range(37) for c in (0, in_features - 1)}
+        pairs = {(r, c) for r, c in zip(row.tolist(), col.tolist())} | edges
+        row, col = (torch.tensor(t, dtype=torch.int32) for t in zip(*sorted(pairs)))
+    topo = Topology(row, col, (37, in_features))
     counts_by_row = torch.bincount(row.long(), minlength=37)
     assert torch.equal(topo.rowptr[1:] - topo.rowptr[:-1], counts_by_row.int())
     perm = topo.csc_perm.long()
     assert sorted(perm.tolist()) == list(range(topo.nnz))
     key = col[perm].long() * 37 + row[perm].long()  # column-major order
     assert bool((key[1:] > key[:-1]).all())
-    assert torch.equal(topo.colptr[1:] - topo.colptr[:-1], torch.bincount(col.long(), minlength=23).int())
+    assert torch.equal(topo.colptr[1:] - topo.colptr[:-1], torch.bincount(col.long(), minlength=in_features).int())
 
 
 def test_topology_derived_data_is_computed_once():
