@@ -54,3 +54,9 @@ def test_ordering_keys_work_in_place():
     floats = torch.tensor([2.0, float("nan")])
     keys = ordering_keys(floats)
     assert keys.data_ptr() == floats.data_ptr()
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor([3, 1]), torch.zeros(2, dtype=torch.float8_e4m3fn)])
+def test_ordering_keys_refuse_what_has_no_ordered_bit_pattern(tensor):
+    with pytest.raises(TypeError, match="16-, 32- or 64-bit floating tensor, got torch"):
+        ordering_keys(tensor)
