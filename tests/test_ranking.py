@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from snack import ranking
 from snack.ranking import k_largest_positions, k_smallest_positions, ordering_keys
 
 
@@ -60,3 +61,26 @@ def test_ordering_keys_work_in_place():
 def test_ordering_keys_refuse_what_has_no_ordered_bit_pattern(tensor):
     with pytest.raises(TypeError, match="16-, 32- or 64-bit floating tensor, got torch"):
         ordering_keys(tensor)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_a_sample_that_misjudges_the_keys_falls_back_to_a_whole_selection(largest, monkeypatch):
+    """Long inputs are narrowed by a bar read off an evenly strided sample. Keys that hold their
+    extremes exactly at the sampled positions make the bar too tight: the narrowing notices (too
+    few keys reach it) and the selection runs on every key; a random input is narrowed."""
+    n = 1 << 18
+    stride = n // ranking._SAMPLE
+    sampled = torch.arange(0, n, stride)
+    keys = torch.zeros(n, dtype=torch.int32)
+    keys[sampled] = torch.arange(1, sampled.numel() + 1, dtype=torch.int32) * (1 if largest else -1)
+    narrowed = []
+    real = ranking._narrowed
+    monkeypatch.setattr(ranking, "_narrowed", lambda *a, **kw: narrowed.append(real(*a, **kw)) or narrowed[-1])
+    select = k_largest_positions if largest else k_smallest_positions
+    k = 1000
+    assert torch.equal(select(keys, k), _stable_reference(keys, k, largest=largest))
+    assert narrowed[0] is None  # the fallback ran
+    narrowed.clear()
+    keys = torch.randint(-50, 50, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(select(keys, k), _stable_reference(keys, k, largest=largest))
+    assert narrowed[0] is not None and narrowed[0].numel() < n // 4
