@@ -4,7 +4,7 @@ Picking connections (the weakest to drop, the largest gradients to grow, the lar
 a dense matrix) must be reproducible, so equal keys go to the lower position: what a stable sort
 would pick. A sort costs O(n log n) for an answer O(n) work finds: a selection of the ``k``-th
 key (``torch.topk``, unsorted) and comparisons (1.7M float32: 240 ms for a stable sort on this
-project's CPU, about 35 ms this way). (Not ``torch.kthvalue``: 30% slower here, and on CUDA it
+project's CPU, about 30 ms this way). (Not ``torch.kthvalue``: 30% slower here, and on CUDA it
 runs one thread block per tensor, reported 20x slower than a sort: pytorch/pytorch#75599.)
 
 Floats are ranked through integer keys (:func:`ordering_keys`): a non-negative IEEE 754 float's
