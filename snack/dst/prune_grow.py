@@ -117,7 +117,7 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
     (``rows · in <= block_elements``, at least one row) and its active positions are masked out.
     The scores that beat the ``k``-th best so far are kept as candidates; when ``2k`` of them
-    accumulate they are cut back to the best ``k`` (a quickselect, O(candidates)), which raises
+    accumulate they are cut back to the best ``k`` (a selection, O(candidates)), which raises
     the bar for the blocks that follow. So at most one block plus ``2k`` candidates exist at
     once: the ``out × in`` gradient only for a layer that fits in one block (4 MB of float32
     scores by default). Equal scores go to the lower position; NaN ranks above every number.
