@@ -88,9 +88,10 @@ _SAMPLE = 1 << 16
 
 def _narrowed(keys: Tensor, count: int, *, largest: bool) -> Tensor | None:
     """The keys at or beyond (above when ``largest``, else below) a bar that at least ``count``
-    of them reach, about ``1.05 · count`` of them, so that the ``count``-th one is among them;
-    ``None`` where that would not shrink them by a quarter (many equal keys, or a sample that
-    misjudged them). The bar is the matching key of an evenly strided sample, with a margin."""
+    of them reach, about 5% more than ``count`` (plus 64 sample strides), so that the
+    ``count``-th one is among them; ``None`` where that would not shrink them by a quarter (many
+    equal keys, or a sample that misjudged them). The bar is the matching key of an evenly
+    strided sample, with a margin."""
     n = keys.numel()
     sample = keys[:: n // _SAMPLE]
     in_sample = min(sample.numel(), math.ceil(count * sample.numel() / n * 1.05) + 64)
