@@ -158,6 +158,27 @@ def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity,
     assert torch.equal(gradient_grow(x, dy, topo, k, block_elements=block_elements), _top_k_positions(dense, k))
 
 
+@pytest.mark.parametrize("sampled_rows_dominate", [False, True])
+def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows_dominate, monkeypatch):
+    """Scores below a bar predicted from evenly strided rows are skipped. Rows whose gradients
+    dwarf the others exactly at the sampled ones make the bar too high: fewer than k scores
+    reach it, and the blocks are scored again without it. Either way the picks are exact."""
+    torch.manual_seed(0)
+    topo = _topology(64, 50, 0.8)
+    x, dy = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, 64, dtype=torch.float64)
+    if sampled_rows_dominate:
+        dy[:, ::8] *= 1000  # 8 blocks of 8 rows: the sample is rows 0, 8, 16, ...
+    bars = []
+    real = snack.dst.prune_grow._best_above
+    monkeypatch.setattr(snack.dst.prune_grow, "_best_above", lambda *a: bars.append(a[-1]) or real(*a))
+    k = 400
+    dense = (dy.t() @ x).abs().reshape(-1)
+    dense[linear_index(topo)] = -1
+    assert torch.equal(gradient_grow(x, dy, topo, k, block_elements=400), _top_k_positions(dense, k))
+    assert bars[0] != 0  # the sampled bar
+    assert (bars[1:] == [0]) == sampled_rows_dominate  # the second pass, without a bar
+
+
 def _top_k_positions(scores, k):
     """The sorted positions of the ``k`` largest ``scores``, equal ones going to the lower
     position (a stable sort keeps equal scores in position order), as gradient_grow picks them."""

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from snack.ranking import k_largest_positions, k_smallest_positions, ordering_keys
+from snack.ranking import k_largest_positions, k_smallest_positions, kth_largest, ordering_keys
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
@@ -116,11 +116,14 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
 
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
     (``rows · in <= block_elements``, at least one row) and its active positions are masked out.
-    The scores that beat the ``k``-th best so far are kept as candidates; when ``2k`` of them
-    accumulate they are cut back to the best ``k`` (a selection, O(candidates)), which raises
-    the bar for the blocks that follow. So at most one block plus ``2k`` candidates exist at
-    once: the ``out × in`` gradient only for a layer that fits in one block (4 MB of float32
-    scores by default). Equal scores go to the lower position; NaN ranks above every number.
+    Only scores at or above a bar enter the candidates: first a bar read off a sample of evenly
+    strided rows (scored beforehand, one block's worth), with a margin below the score it
+    predicts for the ``k``-th best; when ``2k`` candidates gather they are cut back to the best
+    ``k``, whose worst then becomes the bar. At the end the best ``k`` candidates are the
+    answer, unless fewer than ``k`` reached the sampled bar (it was too high): then the blocks
+    are scored again without it. So at most one block plus ``2k`` candidates exist at once: the
+    ``out × in`` gradient only for a layer that fits in one block (4 MB of float32 scores by
+    default). Equal scores go to the lower position; NaN ranks above every number.
 
     Args:
         x: ``(B, in)`` layer inputs of the batch.
@@ -138,35 +141,82 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    rowptr = topology.rowptr.tolist()
-    row, col = topology.row.to(torch.int64), topology.col.to(torch.int64)
-    # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores, arbitrary
-    # picks) and bfloat16 rounds close scores into ties
-    # (x once, dy a block of rows at a time: the copy adds B·in elements, not B·(in + out))
-    score_dtype = torch.promote_types(x.dtype, torch.float32)
-    x, dy_t = x.to(score_dtype), dy.t()
+    scores = _GradientScores(x, dy, topology)
     rows_per_block = max(1, block_elements // in_features)
-    # candidates, in increasing position (blocks come in order, and cuts keep it), as integer
-    # ordering keys: one comparison then ranks NaN first, with no special case
-    # (in lists of pieces, joined when cut: joining at every block copied them again and again)
+    sampled_bar = _sampled_bar(scores, k, rows_per_block)
+    if sampled_bar is not None:
+        best = _best_above(scores, k, rows_per_block, sampled_bar)
+        if best is not None:
+            return best
+    return _best_above(scores, k, rows_per_block, 0)  # every inactive score (keys >= 0) may enter
+
+
+class _GradientScores:
+    """``|∂L/∂W|`` of chosen rows as ordering keys (:func:`snack.ranking.ordering_keys`), the
+    active positions -1 (below every score)."""
+
+    def __init__(self, x: Tensor, dy: Tensor, topology: Topology):
+        # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores,
+        # arbitrary picks) and bfloat16 rounds close scores into ties (x once, dy a few rows at a
+        # time: the copy adds B·in elements, not B·(in + out))
+        self.dtype = torch.promote_types(x.dtype, torch.float32)
+        self.x, self.dy_t = x.to(self.dtype), dy.t()
+        self.topology = topology
+        self.rowptr = topology.rowptr.tolist()
+        self.row, self.col = topology.row.to(torch.int64), topology.col.to(torch.int64)
+
+    def of_rows(self, first: int, last: int) -> Tensor:
+        """``((last - first) · in,)`` keys of rows ``first .. last - 1``."""
+        # (a contiguous slice of dyᵀ: the product took twice as long from the strided one)
+        keys = ordering_keys((self.dy_t[first:last].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        lo, hi = self.rowptr[first], self.rowptr[last]
+        keys[(self.row[lo:hi] - first) * self.x.shape[1] + self.col[lo:hi]] = -1
+        return keys
+
+    def of_strided_rows(self, stride: int) -> Tensor:
+        """``(rows · in,)`` keys of rows ``0, stride, 2·stride, ...``."""
+        keys = ordering_keys((self.dy_t[::stride].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        on = self.row % stride == 0
+        keys[(self.row[on] // stride) * self.x.shape[1] + self.col[on]] = -1
+        return keys
+
+
+def _sampled_bar(scores: _GradientScores, k: int, rows_per_block: int) -> Tensor | None:
+    """A key that somewhat more than ``k`` of all the scores reach, predicted from a block's worth
+    of evenly strided rows: the one that 110% of the sample's share of ``k``, plus 64, reach.
+    ``None`` for a layer of a few blocks (no gain)."""
+    out_features, in_features = scores.topology.shape
+    stride = -(-out_features // rows_per_block)  # ceil: the sample fits in one block
+    if stride < 4:
+        return None
+    sample = scores.of_strided_rows(stride)
+    inactive = out_features * in_features - scores.topology.nnz
+    in_sample = int((sample >= 0).sum())
+    rank = min(in_sample, int(1.1 * k * in_sample / inactive) + 64)
+    return kth_largest(sample, rank) if rank >= 1 else None
+
+
+def _best_above(scores: _GradientScores, k: int, rows_per_block: int, bar) -> Tensor | None:
+    """The ``k`` best positions (:func:`gradient_grow`) among the scores at or above ``bar``;
+    ``None`` if fewer than ``k`` reach it."""
+    out_features, in_features = scores.topology.shape
+    # candidates, in increasing position (blocks come in order, and cuts keep it), in lists of
+    # pieces joined when cut (joining at every block copied them again and again)
     keys: list[Tensor] = []
     positions: list[Tensor] = []
-    held = 0
-    bar = None  # the k-th best key once k candidates were seen: only better scores can enter
+    held, strict = 0, False
     for first in range(0, out_features, rows_per_block):
-        last = min(out_features, first + rows_per_block)
-        # (a contiguous slice of dyᵀ: the product took twice as long from the strided one)
-        block = ordering_keys((dy_t[first:last].to(score_dtype).contiguous() @ x).abs_().view(-1))  # (rows · in,)
-        lo, hi = rowptr[first], rowptr[last]
-        block[(row[lo:hi] - first) * in_features + col[lo:hi]] = -1  # active: below every score
-        # (a later score equal to the bar loses to the kept ones, which have lower positions)
-        entering = (block > bar if bar is not None else block >= 0).nonzero().squeeze(1)
+        block = scores.of_rows(first, min(out_features, first + rows_per_block))
+        # after a cut the bar is a kept score, and a later equal one loses to it (a lower position)
+        entering = (block > bar if strict else block >= bar).nonzero().squeeze(1)
         keys.append(block[entering])
         positions.append(entering + first * in_features)
         held += entering.numel()
         if held >= 2 * k:
             keys, positions = _best_k(keys, positions, k)
-            held, bar = k, keys[0].min()
+            held, bar, strict = k, keys[0].min(), True
+    if held < k:
+        return None
     return _best_k(keys, positions, k)[1][0]
 
 
