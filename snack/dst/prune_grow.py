@@ -167,18 +167,22 @@ class _GradientScores:
 
     def of_rows(self, first: int, last: int) -> Tensor:
         """``((last - first) · in,)`` keys of rows ``first .. last - 1``."""
-        # (a contiguous slice of dyᵀ: the product took twice as long from the strided one)
-        keys = ordering_keys((self.dy_t[first:last].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        keys = self._keys(self.dy_t[first:last])
         lo, hi = self.rowptr[first], self.rowptr[last]
         keys[(self.row[lo:hi] - first) * self.x.shape[1] + self.col[lo:hi]] = -1
         return keys
 
     def of_strided_rows(self, stride: int) -> Tensor:
         """``(rows · in,)`` keys of rows ``0, stride, 2·stride, ...``."""
-        keys = ordering_keys((self.dy_t[::stride].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        keys = self._keys(self.dy_t[::stride])
         on = self.row % stride == 0
         keys[(self.row[on] // stride) * self.x.shape[1] + self.col[on]] = -1
         return keys
+
+    def _keys(self, dy_rows: Tensor) -> Tensor:
+        """The flattened keys of ``|dy_rows · x|`` for ``dy_rows`` ``(rows, B)``, rows of dyᵀ."""
+        # (contiguous rows of dyᵀ: the product took twice as long from strided ones)
+        return ordering_keys((dy_rows.to(self.dtype).contiguous() @ self.x).abs_().view(-1))
 
 
 def _sampled_bar(scores: _GradientScores, k: int, rows_per_block: int) -> Tensor | None:
@@ -213,16 +217,17 @@ def _best_above(scores: _GradientScores, k: int, rows_per_block: int, bar) -> Te
         positions.append(entering + first * in_features)
         held += entering.numel()
         if held >= 2 * k:
-            keys, positions = _best_k(keys, positions, k)
-            held, bar, strict = k, keys[0].min(), True
+            best_keys, best_positions = _best_k(keys, positions, k)
+            keys, positions = [best_keys], [best_positions]
+            held, bar, strict = k, best_keys.min(), True
     if held < k:
         return None
-    return _best_k(keys, positions, k)[1][0]
+    return _best_k(keys, positions, k)[1]
 
 
-def _best_k(keys: list[Tensor], positions: list[Tensor], k: int) -> tuple[list[Tensor], list[Tensor]]:
-    """The ``k`` best candidates (largest key, then lowest position) of pieces in increasing
-    position, as one piece of each."""
+def _best_k(keys: list[Tensor], positions: list[Tensor], k: int) -> tuple[Tensor, Tensor]:
+    """``(keys, positions)`` of the ``k`` best candidates (largest key, then lowest position)
+    among pieces in increasing position."""
     keys_joined, positions_joined = torch.cat(keys), torch.cat(positions)
     best = k_largest_positions(keys_joined, k)
-    return [keys_joined[best]], [positions_joined[best]]
+    return keys_joined[best], positions_joined[best]
