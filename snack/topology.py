@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from snack.ranking import k_largest_positions, ordering_keys
+from snack.sampling import sorted_sample
 
 INDEX_DTYPE = torch.int32
 # int32 coordinates and pointers: nnz and each dimension must stay below 2**31.
@@ -159,25 +160,6 @@ def coo_from_linear(linear: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
     return (linear // in_features).to(INDEX_DTYPE), (linear % in_features).to(INDEX_DTYPE)
 
 
-def _sample_distinct(total: int, k: int, generator: torch.Generator | None, device) -> Tensor:
-    """``k`` distinct integers drawn uniformly from ``[0, total)``, sorted; O(k) memory.
-
-    Draws with replacement, de-duplicates, repeats until ``k`` distinct values exist, then keeps
-    a uniformly random ``k``-subset. The set of distinct draws is exchangeable over
-    ``[0, total)``, so the result is a uniform ``k``-subset. Meant for ``k <= total / 2``, where
-    each round loses at most half of its draws to collisions.
-    """
-    found = torch.empty(0, dtype=torch.int64, device=device)
-    while found.numel() < k:
-        missing = k - found.numel()
-        draw = torch.randint(0, total, (missing + missing // 8 + 16,), generator=generator, device=device)
-        found = torch.unique(torch.cat([found, draw]))
-    if found.numel() > k:
-        keep = torch.randperm(found.numel(), generator=generator, device=device)[:k]
-        found = found[keep].sort().values
-    return found
-
-
 # The most elements snack forms at once where it walks a layer's out × in positions in blocks
 # (drawing a dense-ish topology, picking the largest weights, scoring RigL's growth): 4 MiB of
 # float32, whatever the layer's size.
@@ -206,9 +188,9 @@ def random_coo(
     total = out_features * in_features
     k = nnz_for_sparsity(out_features, in_features, sparsity)
     if k <= total // 2:
-        return coo_from_linear(_sample_distinct(total, k, generator, device), in_features)
+        return coo_from_linear(sorted_sample(total, k, generator, device), in_features)
 
-    excluded = _sample_distinct(total, total - k, generator, device)
+    excluded = sorted_sample(total, total - k, generator, device)
     rows_per_block = max(1, BLOCK_ELEMENTS // in_features)
     parts = []
     for first_row in range(0, out_features, rows_per_block):

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import snack
 from snack.dst import DropSchedule, cubic_sparsity, gradient_grow, magnitude_drop, random_grow, rewire
 from snack.dst.prune_grow import linear_index
-from snack.topology import Topology, random_coo
+from snack.sampling import sorted_sample
+from snack.topology import Topology, coo_from_linear, random_coo
 
 
 def _topology(out=12, in_=9, sparsity=0.7, seed=0):
@@ -56,7 +57,7 @@ def test_random_grow_returns_distinct_inactive_positions(sparsity):
     assert int(grown.min()) >= 0 and int(grown.max()) < 600
 
 
-@pytest.mark.parametrize("k", [3, 8], ids=["by-rejection", "most-inactive-listed"])
+@pytest.mark.parametrize("k", [3, 8], ids=["few-drawn", "those-left-out-drawn"])
 def test_random_grow_is_uniform_over_inactive_positions(k):
     topo = _topology(4, 5, 0.5)
     inactive = (~torch.isin(torch.arange(20), linear_index(topo))).nonzero().squeeze(1)
@@ -70,6 +71,21 @@ def test_random_grow_is_uniform_over_inactive_positions(k):
     expected = 2000 * k / inactive.numel()
     assert counts[linear_index(topo)].sum() == 0
     assert ((counts[inactive] - expected).abs() < 0.15 * expected).all()
+
+
+@pytest.mark.parametrize("shape, sparsity", [((20, 30), 0.0), ((9, 7), 0.5), ((130, 100), 0.3), ((64, 512), 0.97)])
+def test_random_grow_grows_the_drawn_ranks_of_the_inactive_positions(shape, sparsity):
+    """Rank r maps to the r-th inactive position: the same as listing them all, also where
+    actives run together, start or end the matrix, or none are inactive (sparsity 0)."""
+    topo = _topology(*shape, sparsity)
+    total = shape[0] * shape[1]
+    active = linear_index(topo)
+    active = torch.cat([active, torch.tensor([0, total - 1])]).unique()  # runs at both ends
+    topo = Topology(*coo_from_linear(active, shape[1]), shape)
+    inactive = (~torch.isin(torch.arange(total), active)).nonzero().squeeze(1)
+    for k in {0, min(1, inactive.numel()), inactive.numel() // 3, inactive.numel()}:
+        ranks = sorted_sample(inactive.numel(), k, torch.Generator().manual_seed(k))
+        assert torch.equal(random_grow(topo, k, torch.Generator().manual_seed(k)), inactive[ranks])
 
 
 def test_random_grow_of_every_inactive_position_is_quick_and_exact():
