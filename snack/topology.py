@@ -13,6 +13,12 @@ what the kernels need:
   ``col[csc_perm]`` is sorted (the transposed SpMM walks the matrix by column without atomics);
 * ``colptr``   ``(in + 1,)``  int32 — column pointer into ``csc_perm``.
 
+The ops receive them together (:meth:`Topology.tensors`), except that a CPU topology's carry an
+empty ``csc_perm`` unless it was asked for: no CPU kernel reads the column order (the transposed
+SpMM walks rows there), and building it cost a sort at every rewire (36 ms at 4096², 90%) and
+4 bytes per connection. The Triton kernels, which read it, derive it themselves where it is
+missing (:func:`column_order`; they meet CPU tensors only under their interpreter).
+
 A topology is immutable: changing the connections means building a new one, which is how
 every cache gets cleared.
 
@@ -41,6 +47,7 @@ __all__ = [
     "Topology",
     "TopologyTensors",
     "check_sparsity",
+    "column_order",
     "coo_from_dense",
     "coo_from_linear",
     "linear_positions",
@@ -50,7 +57,8 @@ __all__ = [
 
 
 class TopologyTensors(NamedTuple):
-    """The flat index tensors every sparse op receives (see module docstring for shapes)."""
+    """The flat index tensors every sparse op receives (see module docstring for shapes;
+    ``csc_perm`` may be empty on the CPU)."""
 
     row: Tensor
     col: Tensor
@@ -349,14 +357,8 @@ class Topology:
     def csc_perm(self) -> Tensor:
         """``(nnz,)`` int32 permutation into column-major order (computed on first use)."""
         if self._csc_perm is None:
-            # row-major order is already sorted by row, so a stable sort by column yields (col, row)
-            # order; of 16-bit columns where they fit (1.5x faster: 17 against 27 ms for 1.7M)
-            self._csc_perm = _outside_transient_modes(self._column_order)
+            self._csc_perm = _outside_transient_modes(lambda: column_order(self.col, self.shape[1]))
         return self._csc_perm
-
-    def _column_order(self) -> Tensor:
-        key = self.col.to(torch.int16) if self.shape[1] <= 1 << 15 else self.col
-        return torch.sort(key, stable=True).indices.to(INDEX_DTYPE)
 
     @property
     def colptr(self) -> Tensor:
@@ -370,9 +372,14 @@ class Topology:
         return [t for t in (self._rowptr, self._csc_perm, self._colptr) if t is not None]
 
     def tensors(self) -> TopologyTensors:
-        """All index tensors the sparse ops take, deriving the missing ones."""
+        """All index tensors the sparse ops take, deriving the missing ones; on the CPU an empty
+        ``csc_perm`` unless it was built (module docstring)."""
         if self._tensors is None:  # built once: every layer call asks for them
-            self._tensors = TopologyTensors(self.row, self.col, self.rowptr, self.colptr, self.csc_perm)
+            if self._csc_perm is None and self.device.type == "cpu":
+                csc_perm = _outside_transient_modes(lambda: torch.empty(0, dtype=INDEX_DTYPE, device=self.device))
+            else:
+                csc_perm = self.csc_perm
+            self._tensors = TopologyTensors(self.row, self.col, self.rowptr, self.colptr, csc_perm)
         return self._tensors
 
     def to(self, device: torch.device | str) -> Topology:
@@ -411,6 +418,15 @@ def _outside_fake_mode() -> contextlib.AbstractContextManager:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def column_order(col: Tensor, in_features: int) -> Tensor:
+    """``(nnz,)`` int32 ``csc_perm`` of sorted coordinates' ``col``: their positions in
+    column-major order. Row-major order is already sorted by row, so a stable sort by column
+    gives (col, row) order; of 16-bit columns where they fit (1.5x faster: 17 against 27 ms for
+    1.7M)."""
+    key = col.to(torch.int16) if in_features <= 1 << 15 else col
+    return torch.sort(key, stable=True).indices.to(INDEX_DTYPE)
 
 
 def _pointer(index: Tensor, size: int) -> Tensor:

@@ -209,7 +209,7 @@ def _band_pointers(topo, transposed: bool, band: int):
     """The patch forms' band pointers; the segment pointer and each non-zero's input index, in
     the segment order they point into (rows: row order; columns: column order)."""
     if transposed:
-        perm = topo.csc_perm.long()
+        perm = tb._csc_perm(topo).long()
         ptr, segment, gather, n_in = topo.colptr, topo.col[perm], topo.row[perm], topo.rowptr.numel() - 1
     else:
         ptr, segment, gather, n_in = topo.rowptr, topo.row, topo.col, topo.colptr.numel() - 1
@@ -609,14 +609,30 @@ def test_rows_in_column_order_are_cached_and_follow_in_place_changes():
     topo = _topology("33x17").to(DEVICE)
     tensors = topo.tensors()
     rows = tb._rows_in_column_order(tensors)
-    assert torch.equal(rows, tensors.row[tensors.csc_perm.long()])
+    assert torch.equal(rows, tensors.row[topo.csc_perm.long()])
     assert tb._rows_in_column_order(tensors) is rows  # cached
     assert any(held is rows for held in derived.held(*tensors))  # and counted in the layer's memory
     with torch.no_grad():  # what load_state_dict does to a layer's row
         tensors.row.copy_(tensors.row.flip(0))
-    assert torch.equal(tb._rows_in_column_order(tensors), tensors.row[tensors.csc_perm.long()])
+    assert torch.equal(tb._rows_in_column_order(tensors), tensors.row[topo.csc_perm.long()])
     _, _, dy, values = _inputs("33x17", 2)
     torch.testing.assert_close(tb.spmm_t(dy, values, tensors), reference.spmm_t(dy, values, tensors))
+
+
+def test_column_order_missing_from_a_cpu_topology_is_derived_cached_and_follows_col():
+    """A CPU topology hands the ops no csc_perm (no CPU kernel reads it); the Triton backend
+    (here, its interpreter) derives it from col once, and again when col changes in place."""
+    tensors = _topology("33x17").tensors()
+    assert tensors.csc_perm.numel() == 0 < tensors.col.numel()
+    perm = tb._csc_perm(tensors)
+    assert torch.equal(perm, torch.sort(tensors.col, stable=True).indices.int())
+    assert tb._csc_perm(tensors) is perm
+    with torch.no_grad():  # what load_state_dict does to a layer's col
+        tensors.col.copy_(tensors.col.flip(0))
+    assert torch.equal(tb._csc_perm(tensors), torch.sort(tensors.col, stable=True).indices.int())
+    built = _topology("33x17")
+    perm = built.csc_perm  # built first: the ops get it, and the backend takes it as it is
+    assert tb._csc_perm(built.tensors()) is perm
 
 
 @pytest.mark.parametrize("block_b", [1, 2, 4, 8, 16, 32, 64])

@@ -98,13 +98,14 @@ def test_memory_counts_parameters_gradients_adam_and_indices():
     sparse = variants["snack"]
     nnz = sparse.layer.nnz
     assert sparse.state_bytes().params == (nnz + 40) * 4
-    # what the layer holds: first row and col; after a training step also csc_perm and the two
-    # pointers (all int32); after a batch-1 forward also the CPU backend's 16-bit copy of col
+    # what the layer holds: first row and col; after a training step also the two pointers (all
+    # int32; no column order on the CPU, whose kernels do not read it); after a batch-1 forward
+    # also the CPU backend's 16-bit copy of col
     assert sparse.state_bytes().structure == 2 * nnz * 4
     sparse.train_step(torch.randn(4, 50, requires_grad=True), torch.randn(4, 40))
-    assert sparse.state_bytes().structure == (3 * nnz + 41 + 51) * 4
+    assert sparse.state_bytes().structure == (2 * nnz + 41 + 51) * 4
     sparse.infer(torch.randn(1, 50))
-    assert sparse.state_bytes().structure == (3 * nnz + 41 + 51) * 4 + 2 * nnz
+    assert sparse.state_bytes().structure == (2 * nnz + 41 + 51) * 4 + 2 * nnz
     assert variants["dense+mask"].state_bytes().structure == 40 * 50 * 4
 
 

@@ -116,6 +116,20 @@ def test_topology_derived_data_is_computed_once():
     assert topo.rowptr is topo.rowptr and topo.csc_perm is topo.csc_perm and topo.colptr is topo.colptr
 
 
+def test_cpu_topology_tensors_carry_a_column_order_only_once_built(monkeypatch):
+    """No CPU kernel reads csc_perm: the ops get an empty one from a CPU topology that has not
+    built it; one that has, and a topology on any other device (e.g. a GPU's), pass the real one."""
+    row, col = random_coo(10, 12, 0.5, generator=torch.Generator().manual_seed(0))
+    fresh = Topology(row, col, (10, 12)).tensors()
+    assert fresh.csc_perm.shape == (0,) and fresh.csc_perm.dtype == torch.int32
+    assert fresh.rowptr.numel() == 11 and fresh.colptr.numel() == 13
+    built = Topology(row, col, (10, 12))
+    perm = built.csc_perm
+    assert built.tensors().csc_perm is perm
+    monkeypatch.setattr(Topology, "device", property(lambda self: torch.device("cuda")))  # (no GPU here)
+    assert torch.equal(Topology(row, col, (10, 12)).tensors().csc_perm, perm)
+
+
 def test_empty_topology():
     empty = torch.empty(0, dtype=torch.int32)
     topo = Topology(empty, empty, (3, 4))

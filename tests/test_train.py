@@ -8,9 +8,11 @@ from snack import cli
 
 
 def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
+    # (a learning rate at which seeds 0-4 all gave 0.47-0.60 sparse, 0.43-0.47 Dense+Mask: at
+    # 3e-3 they gave 0.21-0.40, too close to the bar)
     code = cli.main(
         ["train", "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
-         "--update-every", "5", "--lr", "3e-3", "--no-progress", "--compare"]
+         "--update-every", "5", "--lr", "1e-2", "--no-progress", "--compare"]
     )
     out = capsys.readouterr().out
     assert code == 0

@@ -100,7 +100,7 @@ from torch import Tensor
 
 from snack.backends.derived import derived
 from snack.backends.triton import tuning
-from snack.topology import TopologyTensors
+from snack.topology import TopologyTensors, column_order
 
 __all__ = [
     "sddmm",
@@ -233,15 +233,25 @@ def _batch_rows(layout: tuple[Tensor, int, int], batch: int, start: int, rows: i
     return storage.narrow(batch_dim, start, rows)
 
 
+def _csc_perm(topo: TopologyTensors) -> Tensor:
+    """``topo.csc_perm``, or where a CPU topology carries none (under the interpreter: see
+    :mod:`snack.topology`) the one derived from ``col``, cached per ``col``."""
+    if topo.csc_perm.numel() == topo.col.numel():
+        return topo.csc_perm
+    return derived("triton_csc_perm", (topo.col,), lambda: column_order(topo.col, topo.colptr.numel() - 1))
+
+
 def _rows_in_column_order(topo: TopologyTensors) -> Tensor:
     """``row[csc_perm]`` ``(nnz,)`` int32, cached per topology (module docstring)."""
-    return derived("triton_rows_by_column", (topo.row, topo.csc_perm), lambda: topo.row.index_select(0, topo.csc_perm))
+    csc_perm = _csc_perm(topo)
+    return derived("triton_rows_by_column", (topo.row, csc_perm), lambda: topo.row.index_select(0, csc_perm))
 
 
 def _cols_in_column_order(topo: TopologyTensors) -> Tensor:
     """``col[csc_perm]`` ``(nnz,)`` int32 (sorted), cached per topology: only the segment form
     of the transposed SpMM reads it."""
-    return derived("triton_cols_by_column", (topo.col, topo.csc_perm), lambda: topo.col.index_select(0, topo.csc_perm))
+    csc_perm = _csc_perm(topo)
+    return derived("triton_cols_by_column", (topo.col, csc_perm), lambda: topo.col.index_select(0, csc_perm))
 
 
 def _band_pointers(
@@ -279,7 +289,7 @@ def _column_band_pointers(topo: TopologyTensors, band: int | None) -> Tensor:
     """:func:`_band_pointers` of the columns (in column order) over bands of rows (the patch
     transposed SpMM)."""
     n_rows, n_cols = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
-    sources, columns = (topo.row, topo.col, topo.csc_perm, topo.rowptr, topo.colptr), _cols_in_column_order(topo)
+    sources, columns = (topo.row, topo.col, _csc_perm(topo), topo.rowptr, topo.colptr), _cols_in_column_order(topo)
     rows, band = _rows_in_column_order(topo), _band_width(band, n_rows)
     return _band_pointers("triton_column_bands", sources, columns, rows, n_cols, n_rows, band)
 
@@ -381,11 +391,11 @@ def _spmm_t(
     _check_form(form)
     rows = _rows_in_column_order(topo)
     if form == "pointer":
-        return _pointer_spmm(dy_layout, dy.shape[0], values, topo.colptr, rows, n_in, value_index=topo.csc_perm)
+        return _pointer_spmm(dy_layout, dy.shape[0], values, topo.colptr, rows, n_in, value_index=_csc_perm(topo))
     if form == "patches":
         return _patch_spmm(dy_layout, dy.shape[0], values, topo, transposed=True)
     cols = _cols_in_column_order(topo)
-    return _segment_spmm(dy, values, topo.colptr, cols, rows, n_in, value_index=topo.csc_perm)
+    return _segment_spmm(dy, values, topo.colptr, cols, rows, n_in, value_index=_csc_perm(topo))
 
 
 @_on_the_tensors_device
@@ -416,7 +426,7 @@ def _patch_spmm(
     if batch == 0 or topo.col.numel() == 0:
         return _rounded(y, bias, a_storage.dtype)
     if transposed:  # segments are columns, in column order
-        gather, value_index = _rows_in_column_order(topo), topo.csc_perm
+        gather, value_index = _rows_in_column_order(topo), _csc_perm(topo)
         band_pointers = _column_band_pointers(topo, band)
     else:
         gather, value_index = topo.col, None
