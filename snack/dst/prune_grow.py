@@ -132,7 +132,7 @@ class _GradientScores:
         keys = self._keys(self.dy_t[first:last])
         lo, hi = self.rowptr[first], self.rowptr[last]
         row, col = self.topology.row[lo:hi].to(torch.int64), self.topology.col[lo:hi]
-        keys[(row - first) * self.x.shape[1] + col] = -1
+        keys.index_fill_(0, (row - first) * self.x.shape[1] + col, -1)
         return keys
 
     def of_strided_rows(self, stride: int) -> Tensor:
@@ -145,7 +145,7 @@ class _GradientScores:
         sample_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
         starts = first - (torch.cumsum(counts, 0) - counts)  # entry i of sampled row r is starts[r] + i
         entries = starts[sample_row] + torch.arange(sample_row.numel(), device=counts.device)
-        keys[sample_row * self.x.shape[1] + self.topology.col[entries]] = -1
+        keys.index_fill_(0, sample_row * self.x.shape[1] + self.topology.col.index_select(0, entries), -1)
         return keys
 
     def _keys(self, dy_rows: Tensor) -> Tensor:
@@ -182,7 +182,7 @@ def _best_above(scores: _GradientScores, k: int, rows_per_block: int, bar) -> Te
         block = scores.of_rows(first, min(out_features, first + rows_per_block))
         # after a cut the bar is a kept score, and a later equal one loses to it (a lower position)
         entering = (block > bar if strict else block >= bar).nonzero().squeeze(1)
-        keys.append(block[entering])
+        keys.append(block.index_select(0, entering))
         positions.append(entering + first * in_features)
         held += entering.numel()
         if held >= 2 * k:
@@ -199,4 +199,4 @@ def _best_k(keys: list[Tensor], positions: list[Tensor], k: int) -> tuple[Tensor
     among pieces in increasing position."""
     keys_joined, positions_joined = torch.cat(keys), torch.cat(positions)
     best = k_largest_positions(keys_joined, k)
-    return keys_joined[best], positions_joined[best]
+    return keys_joined.index_select(0, best), positions_joined.index_select(0, best)
