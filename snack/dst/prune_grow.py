@@ -15,6 +15,7 @@ from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
+
 def linear_index(topology: Topology) -> Tensor:
     """``(nnz,)`` int64 linear positions of the connections, sorted (the format is row-major)."""
     return linear_positions(topology.row, topology.col, topology.shape[1])
