@@ -19,6 +19,8 @@ import math
 import torch
 from torch import Tensor
 
+from snack.indexing import flat_nonzero
+
 __all__ = ["k_largest_positions", "k_smallest_positions", "kth_largest", "ordering_keys"]
 
 _INTEGER_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -56,9 +58,9 @@ def _k_extreme_positions(keys: Tensor, k: int, *, largest: bool) -> Tensor:
         return torch.empty(0, dtype=torch.int64, device=keys.device)
     kth = kth_largest(keys, k if largest else n - k + 1)
     chosen = keys > kth if largest else keys < kth
-    ties = (keys == kth).nonzero().squeeze(1)[: k - int(chosen.sum())]  # the lowest positions
+    ties = flat_nonzero(keys == kth)[: k - int(chosen.sum())]  # the lowest positions
     chosen.index_fill_(0, ties, True)
-    return chosen.nonzero().squeeze(1)
+    return flat_nonzero(chosen)
 
 
 def kth_largest(keys: Tensor, rank: int) -> Tensor:
@@ -105,4 +107,4 @@ def _narrowed(keys: Tensor, count: int, *, largest: bool) -> Tensor | None:
     reached = int(beyond.sum())
     if reached < count or reached > 0.75 * n:
         return None
-    return keys.index_select(0, beyond.nonzero().squeeze(1))  # (2x as fast as keys[beyond] on the CPU)
+    return keys.index_select(0, flat_nonzero(beyond))  # (2x as fast as keys[beyond] on the CPU)

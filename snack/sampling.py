@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor
 
+from snack.indexing import flat_nonzero
+
 __all__ = ["sorted_sample"]
 
 # Up to this n a random permutation is cheap, and simplest. (The Bernoulli sample needs
@@ -44,7 +46,7 @@ def sorted_sample(
     if 2 * k > n:
         keep = torch.ones(n, dtype=torch.bool, device=device)
         keep.index_fill_(0, sorted_sample(n, n - k, generator, device), False)
-        return keep.nonzero().squeeze(1)
+        return flat_nonzero(keep)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     if n <= _PERMUTE_UP_TO:
@@ -57,7 +59,7 @@ def sorted_sample(
     if surplus:
         keep = torch.ones(kept.numel(), dtype=torch.bool, device=device)
         keep.index_fill_(0, sorted_sample(kept.numel(), surplus, generator, device), False)
-        kept = kept.index_select(0, keep.nonzero().squeeze(1))
+        kept = kept.index_select(0, flat_nonzero(keep))
     return kept
 
 

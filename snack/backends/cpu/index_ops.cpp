@@ -1,0 +1,230 @@
+// Native CPU helpers for the index work of topology updates, registered as torch.ops.snack_cpu.*
+// next to the sparse kernels of kernels.cpp (one library):
+//
+//   flat_nonzero (mask (n,) bool)                        -> (count,) int64
+//       the positions of the true entries, increasing: mask.nonzero().squeeze(1)
+//   positions_at_least (keys (n,) integer, bar, strict)  -> (count,) int64
+//       the same of keys >= bar (keys > bar when strict), without the mask in between
+//   sorted_searchsorted (sorted (n,) int64, queries (k,) int64, right) -> (k,) int64
+//       torch.searchsorted(sorted, queries, right=right) for non-decreasing queries, by a merge:
+//       O(n + k) reads in order instead of k binary searches over the whole of `sorted`
+//   segment_pointer (index (n,) int32, size)             -> (size + 1,) int32
+//       the pointer array of the segments of equal index, [0] + cumsum(bincount(index, size))
+//
+// Why: on the CPU, torch.nonzero took ~7 ns per element (12 ms for the 1.7M-entry masks of a
+// 4096² layer at 90%), searchsorted ~60 ns per query once `sorted` outgrows the caches, and
+// bincount 3 ns per element; a SET update of that layer spent 120 of its 250 ms in them.
+//
+// Parallelism: the input is cut into chunks of at least kMinChunk elements run with
+// at::parallel_for; flat_nonzero and positions_at_least count each chunk's hits first, so that
+// every chunk then writes its own slice of the output.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Below this many elements per chunk, waking another thread costs more than it saves.
+constexpr int64_t kMinChunk = 1 << 16;
+
+// How many chunks to cut n elements into: a few per thread (for balance), each >= kMinChunk.
+int64_t chunk_count(int64_t n) {
+  const int64_t by_size = std::max<int64_t>(1, n / kMinChunk);
+  return std::min<int64_t>(by_size, 4 * static_cast<int64_t>(at::get_num_threads()));
+}
+
+void check_vector(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.scalar_type() == dtype, "snack_cpu.", op, ": ", name,
+              " must be a 1-D ", dtype, " CPU tensor, got ", t.dim(), "-D ", t.scalar_type(), " on ", t.device());
+}
+
+// Writes the positions i in [begin, end) where hit(i) holds to out[0, count), where count is
+// their number (known from the counting pass: it bounds every write, so none lands past the
+// chunk's share of the output).
+template <typename Hit>
+void write_positions(const Hit& hit, int64_t begin, int64_t end, int64_t count, int64_t* out) {
+  int64_t o = 0, i = begin;
+  // 8 entries at a time while 8 more writes cannot overrun: 8 misses are skipped after one test
+  // of all of them, otherwise each entry is written and the cursor advances past the hits (no
+  // branch per entry)
+  while (count - o >= 8 && i + 8 <= end) {
+    int hits = 0;
+    for (int j = 0; j < 8; ++j) hits += hit(i + j);
+    if (hits != 0) {
+      for (int j = 0; j < 8; ++j) {
+        out[o] = i + j;
+        o += hit(i + j);
+      }
+    }
+    i += 8;
+  }
+  for (; o < count; ++i) {  // the tail: stops right after the last hit
+    out[o] = i;
+    o += hit(i);
+  }
+}
+
+// (count,) int64: the positions i in [0, n) where hit(i) holds, increasing. Two passes: each
+// chunk counts its hits, then writes them at its offset.
+template <typename Hit>
+at::Tensor hit_positions(const Hit& hit, int64_t n, const at::TensorOptions& options) {
+  const int64_t chunks = chunk_count(n);
+  auto begin = [&](int64_t c) { return n * c / chunks; };
+  std::vector<int64_t> offsets(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t count = 0;
+      for (int64_t i = begin(c); i < begin(c + 1); ++i) count += hit(i);
+      offsets[c + 1] = count;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) offsets[c + 1] += offsets[c];
+  at::Tensor out = at::empty({offsets[chunks]}, options.dtype(at::kLong));
+  int64_t* out_p = out.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      write_positions(hit, begin(c), begin(c + 1), offsets[c + 1] - offsets[c], out_p + offsets[c]);
+    }
+  });
+  return out;
+}
+
+at::Tensor flat_nonzero(const at::Tensor& mask_in) {
+  check_vector("flat_nonzero", "mask", mask_in, at::kBool);
+  const at::Tensor mask_t = mask_in.contiguous();
+  // (bool tensors hold one byte per entry; any non-zero byte counts as true, as in torch)
+  const auto* mask = reinterpret_cast<const uint8_t*>(mask_t.const_data_ptr<bool>());
+  return hit_positions([mask](int64_t i) { return static_cast<int>(mask[i] != 0); }, mask_t.numel(), mask_t.options());
+}
+
+at::Tensor positions_at_least(const at::Tensor& keys_in, int64_t bar, bool strict) {
+  TORCH_CHECK(keys_in.device().is_cpu() && keys_in.dim() == 1 &&
+                  at::isIntegralType(keys_in.scalar_type(), /*includeBool=*/false),
+              "snack_cpu.positions_at_least: keys must be a 1-D integer CPU tensor, got ", keys_in.dim(), "-D ",
+              keys_in.scalar_type(), " on ", keys_in.device());
+  const at::Tensor keys_t = keys_in.contiguous();
+  at::Tensor out;
+  AT_DISPATCH_INTEGRAL_TYPES(keys_t.scalar_type(), "positions_at_least", [&] {
+    const scalar_t* keys = keys_t.const_data_ptr<scalar_t>();
+    // (compared as int64; `strict` chosen outside the loop)
+    auto select = [&](auto reaches) {
+      auto hit = [keys, reaches](int64_t i) { return static_cast<int>(reaches(static_cast<int64_t>(keys[i]))); };
+      out = hit_positions(hit, keys_t.numel(), keys_t.options());
+    };
+    if (strict) {
+      select([bar](int64_t key) { return key > bar; });
+    } else {
+      select([bar](int64_t key) { return key >= bar; });
+    }
+  });
+  return out;
+}
+
+at::Tensor sorted_searchsorted(const at::Tensor& sorted_in, const at::Tensor& queries_in, bool right) {
+  check_vector("sorted_searchsorted", "sorted", sorted_in, at::kLong);
+  check_vector("sorted_searchsorted", "queries", queries_in, at::kLong);
+  const at::Tensor sorted_t = sorted_in.contiguous(), queries_t = queries_in.contiguous();
+  const int64_t* seq = sorted_t.const_data_ptr<int64_t>();
+  const int64_t* queries = queries_t.const_data_ptr<int64_t>();
+  const int64_t n = sorted_t.numel(), k = queries_t.numel();
+  at::Tensor out = at::empty({k}, queries_t.options());
+  int64_t* out_p = out.mutable_data_ptr<int64_t>();
+  // `s` lies below query v: it counts towards v's answer
+  auto below = [right](int64_t s, int64_t v) { return right ? s <= v : s < v; };
+  const int64_t chunks = chunk_count(k);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t q0 = k * c / chunks, q1 = k * (c + 1) / chunks;
+      if (q0 == q1) continue;
+      // the chunk's first answer by binary search, each later one on from the last: within 8
+      // entries by counting, further by galloping, O(log gap) per query, so sparse queries stay
+      // cheap and dense ones read `sorted` in order
+      int64_t p = std::partition_point(seq, seq + n, [&](int64_t s) { return below(s, queries[q0]); }) - seq;
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t v = queries[q];
+        TORCH_CHECK(q == q0 || queries[q - 1] <= v, "snack_cpu.sorted_searchsorted: queries must be non-decreasing, ",
+                    "got ", queries[q - 1], " before ", v, " at position ", q);
+        if (p + 8 <= n && !below(seq[p + 7], v)) {
+          // the answer is among the next 8: count them without a branch (queries denser than the
+          // sequence land here, and a branch per entry would be mispredicted once per query)
+          int64_t count = 0;
+          for (int j = 0; j < 8; ++j) count += below(seq[p + j], v);
+          p += count;
+        } else if (p < n && below(seq[p], v)) {
+          int64_t lo = p, step = 1;  // invariant: seq[lo] lies below v
+          while (lo + step < n && below(seq[lo + step], v)) {
+            lo += step;
+            step *= 2;
+          }
+          const int64_t hi = std::min(lo + step, n);
+          p = std::partition_point(seq + lo + 1, seq + hi, [&](int64_t s) { return below(s, v); }) - seq;
+        }
+        out_p[q] = p;
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor segment_pointer(const at::Tensor& index_in, int64_t size) {
+  check_vector("segment_pointer", "index", index_in, at::kInt);
+  TORCH_CHECK(size >= 0 && size < (int64_t{1} << 31), "snack_cpu.segment_pointer: size must be in [0, 2^31), got ", size);
+  const at::Tensor index_t = index_in.contiguous();
+  const int32_t* index = index_t.const_data_ptr<int32_t>();
+  const int64_t n = index_t.numel();
+  TORCH_CHECK(n < (int64_t{1} << 31), "snack_cpu.segment_pointer: at most 2^31 - 1 entries fit int32 pointers, got ", n);
+  // each chunk counts into a histogram of its own (no atomics), summed afterwards; one chunk per
+  // thread at most, since every entry costs the same and each chunk adds `size` counters
+  const int64_t chunks = std::min<int64_t>(chunk_count(n), at::get_num_threads());
+  std::vector<std::vector<int32_t>> counts(chunks);
+  std::vector<int64_t> bad(chunks, -1);  // the first out-of-range entry of each chunk
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      std::vector<int32_t>& count = counts[c];
+      count.assign(size, 0);
+      for (int64_t i = n * c / chunks; i < n * (c + 1) / chunks; ++i) {
+        const int32_t v = index[i];
+        if (v < 0 || v >= size) {
+          bad[c] = i;
+          break;
+        }
+        ++count[v];
+      }
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(bad[c] < 0, "snack_cpu.segment_pointer: index[", bad[c], "] = ", index[bad[c]], " is outside [0, ", size,
+                ")");
+  }
+  at::Tensor out = at::empty({size + 1}, index_t.options());
+  int32_t* ptr = out.mutable_data_ptr<int32_t>();
+  int32_t total = 0;
+  ptr[0] = 0;
+  for (int64_t v = 0; v < size; ++v) {
+    for (int64_t c = 0; c < chunks; ++c) total += counts[c][v];
+    ptr[v + 1] = total;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
+  m.def("flat_nonzero(Tensor mask) -> Tensor");
+  m.def("positions_at_least(Tensor keys, int bar, bool strict=False) -> Tensor");
+  m.def("sorted_searchsorted(Tensor sorted, Tensor queries, bool right=False) -> Tensor");
+  m.def("segment_pointer(Tensor index, int size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
+  m.impl("flat_nonzero", &flat_nonzero);
+  m.impl("positions_at_least", &positions_at_least);
+  m.impl("sorted_searchsorted", &sorted_searchsorted);
+  m.impl("segment_pointer", &segment_pointer);
+}
