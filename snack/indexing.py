@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["flat_nonzero", "positions_at_least", "segment_pointer", "sorted_searchsorted"]
+__all__ = ["flat_nonzero", "positions_where", "segment_pointer", "sorted_searchsorted"]
 
 
 def flat_nonzero(mask: Tensor) -> Tensor:
@@ -26,16 +26,27 @@ def flat_nonzero(mask: Tensor) -> Tensor:
     return mask.nonzero().squeeze(1)
 
 
-def positions_at_least(keys: Tensor, bar: int | Tensor, *, strict: bool = False) -> Tensor:
-    """``(count,)`` int64 positions, increasing, of the ``(n,)`` integer ``keys`` at or above
-    ``bar`` (above it when ``strict``): ``flat_nonzero(keys >= bar)`` without the mask between.
+def positions_where(keys: Tensor, comparison: str, bar: int | Tensor) -> Tensor:
+    """``(count,)`` int64 positions, increasing, where the ``(n,)`` integer ``keys`` compare
+    with ``bar`` as ``comparison`` says: ``flat_nonzero(keys >= bar)`` without the mask between.
 
     Args:
+        comparison: ``">="``, ``">"``, ``"<="``, ``"<"`` or ``"=="``.
         bar: an int or a 0-d integer tensor, within the range of ``keys``' dtype.
     """
-    if keys.dtype in _INTEGER_DTYPES and _native_for(keys):
-        return torch.ops.snack_cpu.positions_at_least(keys, int(bar), strict)
-    return flat_nonzero(keys > bar if strict else keys >= bar)
+    compare = _COMPARISONS.get(comparison)
+    if compare is None:
+        raise ValueError(f"comparison must be one of {sorted(_COMPARISONS)}, got {comparison!r}")
+    if keys.dtype in _INTEGER_DTYPES:
+        info = torch.iinfo(keys.dtype)
+        if not info.min <= int(bar) <= info.max:  # (torch would wrap it around silently)
+            raise ValueError(f"bar {int(bar)} is outside the range of the keys' dtype {keys.dtype}")
+        if _native_for(keys):
+            return torch.ops.snack_cpu.positions_where(keys, comparison, int(bar))
+    return flat_nonzero(compare(keys, bar))
+
+
+_COMPARISONS = {">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt, "==": torch.eq}
 
 
 def sorted_searchsorted(sorted_sequence: Tensor, queries: Tensor, *, right: bool = False) -> Tensor:

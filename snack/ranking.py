@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from snack.indexing import flat_nonzero
+from snack.indexing import flat_nonzero, positions_where
 
 __all__ = ["k_largest_positions", "k_smallest_positions", "kth_largest", "ordering_keys"]
 
@@ -58,7 +58,7 @@ def _k_extreme_positions(keys: Tensor, k: int, *, largest: bool) -> Tensor:
         return torch.empty(0, dtype=torch.int64, device=keys.device)
     kth = kth_largest(keys, k if largest else n - k + 1)
     chosen = keys > kth if largest else keys < kth
-    ties = flat_nonzero(keys == kth)[: k - int(chosen.sum())]  # the lowest positions
+    ties = positions_where(keys, "==", kth)[: k - int(chosen.sum())]  # the lowest positions
     chosen.index_fill_(0, ties, True)
     return flat_nonzero(chosen)
 
@@ -100,11 +100,10 @@ def _narrowed(keys: Tensor, count: int, *, largest: bool) -> Tensor | None:
     in_sample = min(sample.numel(), math.ceil(count * sample.numel() / n * 1.05) + 64)
     if largest:
         bar = torch.topk(sample, in_sample, sorted=False).values.min()
-        beyond = keys >= bar
+        beyond = positions_where(keys, ">=", bar)
     else:
         bar = torch.topk(sample, in_sample, largest=False, sorted=False).values.max()
-        beyond = keys <= bar
-    reached = int(beyond.sum())
-    if reached < count or reached > 0.75 * n:
+        beyond = positions_where(keys, "<=", bar)
+    if beyond.numel() < count or beyond.numel() > 0.75 * n:
         return None
-    return keys.index_select(0, flat_nonzero(beyond))  # (2x as fast as keys[beyond] on the CPU)
+    return keys.index_select(0, beyond)  # (2x as fast as keys[beyond] on the CPU)

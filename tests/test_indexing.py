@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from snack import indexing
 from snack.backends.cpu import native  # noqa: F401  (builds and loads the kernels)
-from snack.indexing import flat_nonzero, positions_at_least, segment_pointer, sorted_searchsorted
+from snack.indexing import flat_nonzero, positions_where, segment_pointer, sorted_searchsorted
 
 CHUNK = 1 << 16  # index_ops.cpp's kMinChunk
 
@@ -64,26 +64,43 @@ def test_flat_nonzero_of_a_mask_true_only_at_chunk_ends(path):
     assert torch.equal(flat_nonzero(mask), mask.nonzero().squeeze(1))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-4, 4), max_size=70), st.integers(-5, 5), st.booleans())
-def test_positions_at_least_are_those_of_the_comparison_on_short_keys(keys, bar, strict):
+COMPARISONS = {">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt, "==": torch.eq}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-4, 4), max_size=70), st.sampled_from(sorted(COMPARISONS)), st.integers(-5, 5))
+def test_positions_where_are_those_of_the_comparison_on_short_keys(keys, comparison, bar):
     keys = torch.tensor(keys, dtype=torch.int32)
-    expected = (keys > bar if strict else keys >= bar).nonzero().squeeze(1)
-    assert torch.equal(positions_at_least(keys, bar, strict=strict), expected)
+    expected = COMPARISONS[comparison](keys, bar).nonzero().squeeze(1)
+    assert torch.equal(positions_where(keys, comparison, bar), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
-@pytest.mark.parametrize("strict", [False, True])
-def test_positions_at_least_across_chunks(path, dtype, strict):
-    keys = torch.randint(-1, 1000, (5 * CHUNK + 3,), generator=torch.Generator().manual_seed(1), dtype=dtype)
-    for bar in (-2, -1, 990, torch.tensor(999, dtype=dtype), 1000):
-        expected = (keys > bar if strict else keys >= bar).nonzero().squeeze(1)
-        assert torch.equal(positions_at_least(keys, bar, strict=strict), expected), bar
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("comparison", sorted(COMPARISONS))
+def test_positions_where_across_chunks(path, dtype, comparison):
+    keys = torch.randint(0, 200, (5 * CHUNK + 3,), generator=torch.Generator().manual_seed(1), dtype=dtype)
+    for bar in (0, 1, 190, torch.tensor(199, dtype=dtype), 200):
+        expected = COMPARISONS[comparison](keys, bar).nonzero().squeeze(1)
+        assert torch.equal(positions_where(keys, comparison, bar), expected), bar
 
 
-def test_positions_at_least_of_float_keys_compare_in_torch():
+def test_positions_where_of_float_keys_compare_in_torch():
     keys = torch.tensor([0.5, 2.0, float("nan"), 3.0])
-    assert positions_at_least(keys, 2).tolist() == [1, 3]
+    assert positions_where(keys, ">=", 2).tolist() == [1, 3]
+
+
+def test_positions_where_refuses_a_bar_outside_the_keys_dtype(path):
+    with pytest.raises(ValueError, match=r"bar 128 is outside the range of the keys' dtype torch.int8"):
+        positions_where(torch.zeros(3, dtype=torch.int8), ">=", 128)
+    with pytest.raises(RuntimeError, match=r"snack_cpu.positions_where: bar -1 is outside the range"):
+        torch.ops.snack_cpu.positions_where(torch.zeros(3, dtype=torch.uint8), ">=", -1)
+
+
+def test_positions_where_refuses_an_unknown_comparison():
+    with pytest.raises(ValueError, match="comparison must be one of .* got '=>'"):
+        positions_where(torch.arange(3), "=>", 1)
+    with pytest.raises(RuntimeError, match="snack_cpu.positions_where: comparison must be one of"):
+        torch.ops.snack_cpu.positions_where(torch.arange(3), "!=", 1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,7 +154,7 @@ def test_native_segment_pointer_refuses_entries_out_of_range(bad):
     [
         ("flat_nonzero", (torch.zeros(3, dtype=torch.uint8),)),
         ("flat_nonzero", (torch.zeros(2, 2, dtype=torch.bool),)),
-        ("positions_at_least", (torch.zeros(3), 0)),
+        ("positions_where", (torch.zeros(3), ">=", 0)),
         ("sorted_searchsorted", (torch.arange(3, dtype=torch.int32), torch.arange(3))),
         ("segment_pointer", (torch.arange(3), 3)),
     ],

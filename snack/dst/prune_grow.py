@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snack.indexing import flat_nonzero, positions_at_least, sorted_searchsorted
+from snack.indexing import flat_nonzero, positions_where, sorted_searchsorted
 from snack.ranking import k_largest_positions, k_smallest_positions, kth_largest, ordering_keys
 from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
@@ -183,7 +183,7 @@ def _best_above(scores: _GradientScores, k: int, rows_per_block: int, bar) -> Te
     for first in range(0, out_features, rows_per_block):
         block = scores.of_rows(first, min(out_features, first + rows_per_block))
         # after a cut the bar is a kept score, and a later equal one loses to it (a lower position)
-        entering = positions_at_least(block, bar, strict=strict)
+        entering = positions_where(block, ">" if strict else ">=", bar)
         keys.append(block.index_select(0, entering))
         positions.append(entering + first * in_features)
         held += entering.numel()
