@@ -132,6 +132,10 @@ def test_sorted_searchsorted_of_other_dtypes_is_torch_searchsorted():
 def test_native_sorted_searchsorted_refuses_queries_out_of_order():
     with pytest.raises(RuntimeError, match="queries must be non-decreasing, got 5 before 4 at position 2"):
         sorted_searchsorted(torch.arange(10), torch.tensor([1, 5, 4]))
+    queries = torch.arange(5 * CHUNK)  # the same from a chunk run by another thread
+    queries[4 * CHUNK + 1] = 3
+    with pytest.raises(RuntimeError, match=rf"got {4 * CHUNK} before 3 at position {4 * CHUNK + 1}"):
+        sorted_searchsorted(torch.arange(10), queries)
 
 
 @pytest.mark.parametrize("n, size", [(0, 0), (0, 7), (1, 1), (50, 3), (3 * CHUNK + 11, 4096), (20, 100_000)])

@@ -54,10 +54,11 @@ def fx_symbolic_tracing() -> bool:
 
 @torch.library.custom_op("snack::topology_index_data", mutates_args=())
 def topology_index_data(row: Tensor, col: Tensor, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rowptr, colptr, csc_perm)`` of ``row``/``col``, validated, as :class:`Topology` derives
-    them: what traced and exported programs call (see :attr:`SparseLinear.topology`). Built once
-    per ``row``/``col`` (identity and version, :func:`snack.backends.derived.derived`) and
-    returned as copies, which the program may write into (a compiler reuses buffers)."""
+    """``(rowptr, colptr, csc_perm)`` of ``row``/``col``, validated, as :meth:`Topology.tensors`
+    gives them (``csc_perm`` empty on the CPU, whose kernels never read it): what traced and
+    exported programs call (see :attr:`SparseLinear.topology`). Built once per ``row``/``col``
+    (identity and version, :func:`snack.backends.derived.derived`) and returned as copies, which
+    the program may write into (a compiler reuses buffers)."""
     shape = (out_features, in_features)
 
     def build() -> Tensor:
@@ -65,15 +66,25 @@ def topology_index_data(row: Tensor, col: Tensor, out_features: int, in_features
         # load_state_dict holds while it copies into the layer's row/col, whose tensors a traced
         # program holds: never a half-copied state (it raised spurious "not sorted" errors)
         with locking.STATE_LOCK:
-            topology = Topology(row, col, shape)
-        return torch.cat([topology.rowptr, topology.colptr, topology.csc_perm])
+            tensors = Topology(row, col, shape).tensors()
+        return torch.cat([tensors.rowptr, tensors.colptr, tensors.csc_perm])
 
     # the shape is part of the key: one row/col pair may serve layers of other shapes
     packed = derived(f"topology_index_data/{out_features}x{in_features}", (row, col), build)
-    return tuple(part.clone() for part in packed.split([out_features + 1, in_features + 1, row.numel()]))
+    sizes = [out_features + 1, in_features + 1, _csc_perm_length(row)]
+    return tuple(part.clone() for part in packed.split(sizes))
 
 
 @topology_index_data.register_fake
 def _(row, col, out_features, in_features):
     index = dict(dtype=INDEX_DTYPE, device=row.device)  # what Topology derives, whatever row/col's dtype
-    return torch.empty(out_features + 1, **index), torch.empty(in_features + 1, **index), torch.empty(col.shape[0], **index)
+    return (
+        torch.empty(out_features + 1, **index),
+        torch.empty(in_features + 1, **index),
+        torch.empty(_csc_perm_length(row), **index),
+    )
+
+
+def _csc_perm_length(row: Tensor) -> int:
+    """How long the ``csc_perm`` of :meth:`Topology.tensors` is for coordinates ``row``."""
+    return 0 if row.device.type == "cpu" else row.shape[0]
