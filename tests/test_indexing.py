@@ -106,7 +106,8 @@ def test_positions_where_refuses_an_unknown_comparison():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(-5, 5), max_size=30), st.lists(st.integers(-7, 7), max_size=30), st.booleans())
 def test_sorted_searchsorted_is_searchsorted_on_short_lists(sequence, queries, right):
-    sequence, queries = torch.tensor(sorted(sequence), dtype=torch.int64), torch.tensor(sorted(queries), dtype=torch.int64)
+    sequence = torch.tensor(sorted(sequence), dtype=torch.int64)
+    queries = torch.tensor(sorted(queries), dtype=torch.int64)
     got = sorted_searchsorted(sequence, queries, right=right)
     assert torch.equal(got, torch.searchsorted(sequence, queries, right=right))
 

@@ -30,7 +30,14 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from snack.dst.base import NO_POSITIONS, ON_RANK_ZERO, DynamicSparsity, constructor_arguments, outside_snack_dst
+from snack.dst.base import (
+    NO_POSITIONS,
+    ON_RANK_ZERO,
+    DynamicSparsity,
+    check_state_is_dict,
+    constructor_arguments,
+    outside_snack_dst,
+)
 from snack.dst.checks import check_int
 from snack.dst.layers import find_layers, listed
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
@@ -338,8 +345,7 @@ class GradualPruning(DynamicSparsity):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output, including the layers' counts and overall sparsity at the
         start of the saved run (which a model loaded before construction no longer has)."""
-        if not isinstance(state, dict):
-            raise TypeError(f"cannot load DST state: expected the dict state_dict() returns, got {type(state).__name__}")
+        check_state_is_dict(state)  # (read before the base class checks the rest)
         initial_nnz = state.get("initial_nnz")
         sizes = [layer.out_features * layer.in_features for _, layer in self.layers]
         if (

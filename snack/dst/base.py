@@ -32,6 +32,12 @@ def _check_seed(value) -> int:
     return value
 
 
+def check_state_is_dict(state) -> None:
+    """Raise ``TypeError`` unless ``state`` is a dict, as :meth:`DynamicSparsity.state_dict` returns."""
+    if not isinstance(state, dict):
+        raise TypeError(f"cannot load DST state: expected the dict state_dict() returns, got {type(state).__name__}")
+
+
 def constructor_arguments(local_variables: dict) -> dict:
     """A constructor's arguments from its ``locals()`` (``**kwargs`` spread, ``process_group``
     always present), for :meth:`DynamicSparsity._agree_across_ranks`."""
@@ -132,8 +138,7 @@ class DynamicSparsity:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output of the same algorithm with the same configuration."""
-        if not isinstance(state, dict):
-            raise TypeError(f"cannot load DST state: expected the dict state_dict() returns, got {type(state).__name__}")
+        check_state_is_dict(state)
         layers = [name for name, _ in self.layers]
         expected = {"algorithm": type(self).__name__, "layers": layers, "config": self._config()}
         for key, value in expected.items():

@@ -197,11 +197,13 @@ at::Tensor sorted_searchsorted(const at::Tensor& sorted_in, const at::Tensor& qu
 
 at::Tensor segment_pointer(const at::Tensor& index_in, int64_t size) {
   check_vector("segment_pointer", "index", index_in, at::kInt);
-  TORCH_CHECK(size >= 0 && size < (int64_t{1} << 31), "snack_cpu.segment_pointer: size must be in [0, 2^31), got ", size);
+  TORCH_CHECK(size >= 0 && size < (int64_t{1} << 31), "snack_cpu.segment_pointer: size must be in [0, 2^31), got ",
+              size);
   const at::Tensor index_t = index_in.contiguous();
   const int32_t* index = index_t.const_data_ptr<int32_t>();
   const int64_t n = index_t.numel();
-  TORCH_CHECK(n < (int64_t{1} << 31), "snack_cpu.segment_pointer: at most 2^31 - 1 entries fit int32 pointers, got ", n);
+  TORCH_CHECK(n < (int64_t{1} << 31), "snack_cpu.segment_pointer: at most 2^31 - 1 entries fit int32 pointers, got ",
+              n);
   // each chunk counts into a histogram of its own (no atomics), summed afterwards; one chunk per
   // thread at most, since every entry costs the same and each chunk adds `size` counters
   const int64_t chunks = std::min<int64_t>(chunk_count(n), at::get_num_threads());
@@ -222,8 +224,8 @@ at::Tensor segment_pointer(const at::Tensor& index_in, int64_t size) {
     }
   });
   for (int64_t c = 0; c < chunks; ++c) {
-    TORCH_CHECK(bad[c] < 0, "snack_cpu.segment_pointer: index[", bad[c], "] = ", index[bad[c]], " is outside [0, ", size,
-                ")");
+    TORCH_CHECK(bad[c] < 0, "snack_cpu.segment_pointer: index[", bad[c], "] = ", index[bad[c]], " is outside [0, ",
+                size, ")");
   }
   at::Tensor out = at::empty({size + 1}, index_t.options());
   int32_t* ptr = out.mutable_data_ptr<int32_t>();
