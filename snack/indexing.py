@@ -1,11 +1,13 @@
 """Index primitives of topology work on large position sets: native on the CPU, torch elsewhere.
 
 Topology updates and construction compact masks into positions, locate sorted positions in
-sorted lists and count connections per column, over arrays as long as the layer's connections.
-On the CPU, ``torch.nonzero`` took ~7 ns per entry, ``torch.searchsorted`` ~60 ns per query once
-the list outgrows the caches and ``torch.bincount`` 3 ns per entry: a SET update of a 4096² layer
-at 90% spent 120 of its 250 ms in them. The native kernels (``snack/backends/cpu/index_ops.cpp``)
-do the same work in one or two passes in order. They run for CPU tensors when the native CPU
+sorted lists, count connections per column, and merge a rewiring's kept and grown connections,
+over arrays as long as the layer's connections. On the CPU, ``torch.nonzero`` took ~7 ns per
+entry, ``torch.searchsorted`` ~60 ns per query once the list outgrows the caches and
+``torch.bincount`` 3 ns per entry: a SET update of a 4096² layer at 90% spent 120 of its 250 ms
+in them, and its rewiring took eleven more passes of torch calls to build the new coordinates.
+The native kernels (``snack/backends/cpu/index_ops.cpp``) do the same work in one or two passes
+in order. They run for CPU tensors when the native CPU
 backend loads; on other devices, while compiling, or where the kernels could not be built, these
 functions are the torch calls they replace, with the same results.
 """
@@ -15,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["flat_nonzero", "positions_where", "segment_pointer", "sorted_searchsorted"]
+__all__ = [
+    "flat_nonzero", "merge_connections", "positions_where", "segment_pointer", "sorted_searchsorted", "take_or_fill",
+]
 
 
 def flat_nonzero(mask: Tensor) -> Tensor:
@@ -76,6 +80,70 @@ def segment_pointer(index: Tensor, size: int) -> Tensor:
     ptr = torch.zeros(size + 1, dtype=torch.int32, device=index.device)
     ptr[1:] = torch.bincount(index, minlength=size).cumsum(0)
     return ptr
+
+
+def merge_connections(
+    row: Tensor, col: Tensor, keep: Tensor, grow: Tensor, shape: tuple[int, int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The coordinates after a rewiring: the kept connections and the grown positions merged in
+    row-major order.
+
+    Args:
+        row, col: ``(nnz,)`` int32 coordinates, sorted by ``(row, col)`` and unique (a topology's).
+        keep: ``(nnz,)`` bool, which connections stay.
+        grow: ``(k,)`` int64 linear positions ``r · in + c`` to add, increasing, in
+            ``[0, out · in)``.
+        shape: ``(out, in)``.
+
+    Returns:
+        ``(row', col', src, grown_slots)``: the ``(n,)`` int32 new coordinates (``n`` = kept +
+        ``k``), sorted; ``(n,)`` int64 ``src``, each new connection's position in the old
+        ones (``-1`` for a grown one); ``(k,)`` int64 ``grown_slots``, where ``grow[j]`` went.
+
+    Raises:
+        ValueError: a grow position is a connection that stays.
+    """
+    out_features, in_features = shape
+    if _native_for(row, col, keep, grow):
+        return torch.ops.snack_cpu.merge_connections(row, col, keep, grow, out_features, in_features)
+    from snack.topology import coo_from_linear, linear_positions  # (snack.topology imports this module)
+
+    kept = flat_nonzero(keep)
+    kept_row, kept_col = row.index_select(0, kept), col.index_select(0, kept)
+    kept_linear = linear_positions(kept_row, kept_col, in_features)
+    # each grown position goes after the kept ones below it and the grown ones before it
+    below = sorted_searchsorted(kept_linear, grow)
+    if kept.numel():
+        clash = kept_linear.index_select(0, below.clamp(max=kept.numel() - 1)) == grow
+        if bool(clash.any()):
+            position = int(grow[flat_nonzero(clash)[0]])
+            raise ValueError(
+                f"grow position {position} is a connection that stays "
+                f"(row {position // in_features}, column {position % in_features})"
+            )
+    grown_slots = below + torch.arange(grow.numel(), device=grow.device)
+    grown = torch.zeros(kept.numel() + grow.numel(), dtype=torch.bool, device=grow.device)
+    kept_slots = flat_nonzero(~grown.index_fill_(0, grown_slots, True))
+    grown_row, grown_col = coo_from_linear(grow, in_features)
+    new_row = row.new_empty(grown.shape).index_copy_(0, kept_slots, kept_row).index_copy_(0, grown_slots, grown_row)
+    new_col = col.new_empty(grown.shape).index_copy_(0, kept_slots, kept_col).index_copy_(0, grown_slots, grown_col)
+    src = grow.new_full(grown.shape, -1).index_copy_(0, kept_slots, kept)
+    return new_row, new_col, src, grown_slots
+
+
+def take_or_fill(values: Tensor, src: Tensor, fill: float) -> Tensor:
+    """``(n,)``: ``values[src[i]]``, or ``fill`` where ``src[i]`` is ``-1``, for ``(m,)``
+    ``values`` of any dtype and ``(n,)`` int64 ``src`` in ``[-1, m)`` (what
+    :func:`merge_connections` returns): a parameter or its optimizer state carried over to a
+    rewiring's connections."""
+    if _native_for(values, src):
+        return torch.ops.snack_cpu.take_or_fill(values, src, fill)
+    if values.numel() == 0:  # (index_select cannot take a clamped -1 from nothing)
+        if bool((src >= 0).any()):
+            raise IndexError(f"take_or_fill: src must be -1 everywhere for empty values, got {src.max()}")
+        return values.new_full(src.shape, fill)
+    # the new entries read entry 0, then are overwritten: one gather, no masked index
+    return values.index_select(0, src.clamp(min=0)).index_fill_(0, flat_nonzero(src < 0), fill)
 
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from snack import indexing
 from snack.backends.cpu import native  # noqa: F401  (builds and loads the kernels)
-from snack.indexing import flat_nonzero, positions_where, segment_pointer, sorted_searchsorted
+from snack.indexing import (
+    flat_nonzero, merge_connections, positions_where, segment_pointer, sorted_searchsorted, take_or_fill,
+)
 
 CHUNK = 1 << 16  # index_ops.cpp's kMinChunk
 
@@ -162,11 +164,98 @@ def test_native_segment_pointer_refuses_entries_out_of_range(bad):
         ("positions_where", (torch.zeros(3), ">=", 0)),
         ("sorted_searchsorted", (torch.arange(3, dtype=torch.int32), torch.arange(3))),
         ("segment_pointer", (torch.arange(3), 3)),
+        ("merge_connections", (torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.ones(2, dtype=torch.bool),
+                               torch.zeros(0, dtype=torch.int64), 1, 1)),
+        ("take_or_fill", (torch.zeros(3), torch.zeros(2, dtype=torch.int32), 0.0)),
     ],
 )
 def test_native_ops_name_the_argument_they_refuse(op, args):
     with pytest.raises(RuntimeError, match=rf"snack_cpu\.{op}: \w+ must be a 1-D \w+ CPU tensor, got"):
         getattr(torch.ops.snack_cpu, op)(*args)
+
+
+def _rewiring(shape, density, drop_fraction, grow_fraction, seed):
+    """A sorted topology of ``shape``, a random ``keep`` and increasing grow positions among the
+    positions no kept connection holds (dropped ones included)."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = shape
+    total = out_features * in_features
+    linear = torch.randperm(total, generator=generator)[: int(total * density)].sort().values
+    keep = torch.rand(linear.numel(), generator=generator) >= drop_fraction
+    held = torch.zeros(total, dtype=torch.bool)
+    held[linear[keep]] = True
+    free = (~held).nonzero().squeeze(1)
+    grow = free[torch.randperm(free.numel(), generator=generator)[: int(free.numel() * grow_fraction)]].sort().values
+    row, col = (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
+    return row, col, keep, grow, linear
+
+
+@pytest.mark.parametrize(
+    "shape, density, drop_fraction, grow_fraction",
+    [
+        ((1, 1), 0.0, 0.0, 1.0),  # nothing to keep: only grown
+        ((3, 5), 1.0, 0.0, 0.0),  # full, nothing changes
+        ((3, 5), 1.0, 1.0, 1.0),  # everything dropped and regrown in place
+        ((17, 64), 0.5, 0.3, 0.2),
+        ((4096, 128), 0.5, 0.3, 0.05),  # 262144 connections: four chunks
+        ((300, 1000), 0.9, 0.01, 0.5),  # grown positions crowd into few chunks
+        ((5, 200_000), 0.1, 0.3, 0.01),
+    ],
+)
+def test_merge_connections_merges_in_row_major_order(path, shape, density, drop_fraction, grow_fraction):
+    row, col, keep, grow, linear = _rewiring(shape, density, drop_fraction, grow_fraction, seed=sum(shape))
+    new_row, new_col, src, grown_slots = merge_connections(row, col, keep, grow, shape)
+    assert (new_row.dtype, new_col.dtype, src.dtype, grown_slots.dtype) == (torch.int32,) * 2 + (torch.int64,) * 2
+    new_linear = new_row.to(torch.int64) * shape[1] + new_col
+    assert torch.equal(new_linear, torch.cat([linear[keep], grow]).sort().values)  # sorted, unique, all of them
+    assert (new_col >= 0).all() and (new_col < shape[1]).all()
+    kept = src >= 0
+    assert torch.equal(src[kept], keep.nonzero().squeeze(1))  # each kept one at its old coordinates
+    assert torch.equal(new_linear[kept], linear[src[kept]])
+    assert torch.equal(new_linear[grown_slots], grow) and torch.equal((~kept).nonzero().squeeze(1), grown_slots)
+
+
+def test_merge_connections_refuses_to_grow_where_a_connection_stays(path):
+    # the clash in the last of several chunks, the connection before it dropped
+    row, col, keep, grow, linear = _rewiring((4096, 128), 0.5, 0.3, 0.05, seed=3)
+    stays = int(keep.nonzero()[-1])
+    keep[stays - 1] = False
+    clashing = torch.cat([grow, linear[stays - 1 : stays + 1]]).unique()
+    position = int(linear[stays])
+    with pytest.raises(ValueError, match=rf"grow position {position} is a connection that stays "
+                                         rf"\(row {position // 128}, column {position % 128}\)"):
+        merge_connections(row, col, keep, clashing, (4096, 128))
+
+
+def test_native_merge_connections_refuses_grow_positions_out_of_order_or_range():
+    row, col, keep, grow, _ = _rewiring((3, 5), 0.5, 0.5, 0.5, seed=0)
+    with pytest.raises(RuntimeError, match="grow positions must increase"):
+        merge_connections(row, col, keep, grow.flip(0), (3, 5))
+    with pytest.raises(RuntimeError, match=r"grow positions must be in \[0, 15\)"):
+        merge_connections(row, col, keep, torch.tensor([15]), (3, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float32, torch.int64, torch.complex128])
+@pytest.mark.parametrize("n", [0, 1, 3 * CHUNK + 5])
+def test_take_or_fill_gathers_and_fills(path, dtype, n):
+    generator = torch.Generator().manual_seed(n)
+    values = (torch.randn(n + 3, generator=generator) * 10).to(dtype)
+    src = torch.randint(-1, n + 3, (n,), generator=generator)
+    got = take_or_fill(values, src, 1)
+    expected = torch.where(src >= 0, values[src.clamp(min=0)], torch.ones((), dtype=dtype))
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
+def test_take_or_fill_from_nothing_is_all_fill(path):
+    assert take_or_fill(torch.zeros(0), torch.full((4,), -1), 2.5).tolist() == [2.5] * 4
+
+
+@pytest.mark.parametrize("bad", [-2, 7])
+def test_native_take_or_fill_refuses_src_out_of_range(bad):
+    src = torch.zeros(3 * CHUNK, dtype=torch.int64)
+    src[2 * CHUNK + 1] = bad
+    with pytest.raises(IndexError, match=rf"src\[{2 * CHUNK + 1}\] = {bad} is outside \[-1, 7\)"):
+        take_or_fill(torch.zeros(7), src, 0.0)
 
 
 def test_the_torch_calls_run_inside_fake_tensor_mode_and_compiled_code():
