@@ -1,8 +1,8 @@
 """Index primitives of topology work on large position sets: native on the CPU, torch elsewhere.
 
-Topology updates and construction compact masks into positions, locate sorted positions in
-sorted lists, count connections per column, and merge a rewiring's kept and grown connections,
-over arrays as long as the layer's connections. On the CPU, ``torch.nonzero`` took ~7 ns per
+Topology updates and construction compact masks into positions, find free positions by rank,
+count connections per column, and merge a rewiring's kept and grown connections, over arrays as
+long as the layer's connections. On the CPU, ``torch.nonzero`` took ~7 ns per
 entry, ``torch.searchsorted`` ~60 ns per query once the list outgrows the caches and
 ``torch.bincount`` 3 ns per entry: a SET update of a 4096² layer at 90% spent 120 of its 250 ms
 in them, and its rewiring took eleven more passes of torch calls to build the new coordinates.
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "flat_nonzero", "merge_connections", "positions_where", "segment_pointer", "sorted_searchsorted", "take_or_fill",
+    "flat_nonzero", "inactive_positions", "merge_connections", "positions_where", "segment_pointer", "take_or_fill",
 ]
 
 
@@ -53,22 +53,27 @@ def positions_where(keys: Tensor, comparison: str, bar: int | Tensor) -> Tensor:
 _COMPARISONS = {">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt, "==": torch.eq}
 
 
-def sorted_searchsorted(sorted_sequence: Tensor, queries: Tensor, *, right: bool = False) -> Tensor:
-    """``torch.searchsorted(sorted_sequence, queries, right=right)`` for non-decreasing ``queries``.
+def inactive_positions(row: Tensor, col: Tensor, in_features: int, ranks: Tensor) -> Tensor:
+    """The positions that no connection holds, picked by rank: random growth's draw made positions.
 
     Args:
-        sorted_sequence: ``(n,)`` non-decreasing.
-        queries: ``(k,)`` non-decreasing, of ``sorted_sequence``'s dtype.
-        right: count the entries equal to a query as below it.
+        row, col: ``(nnz,)`` int32 coordinates, sorted by ``(row, col)`` and unique (a topology's).
+        in_features: the width of a row.
+        ranks: ``(k,)`` int64, non-decreasing, each below the number of free positions.
 
     Returns:
-        ``(k,)`` int64: for each query, how many entries of ``sorted_sequence`` lie below it.
-        On the CPU with int64 inputs this is one merge-like pass (O(n + k)); queries out of order
+        ``(k,)`` int64: the ``ranks[q]``-th free position (linear ``r · in + c``, from 0). On the
+        CPU this is one merge-like pass over the coordinates (O(nnz + k)); ranks out of order
         raise ``RuntimeError`` there.
     """
-    if sorted_sequence.dtype == queries.dtype == torch.int64 and _native_for(sorted_sequence, queries):
-        return torch.ops.snack_cpu.sorted_searchsorted(sorted_sequence, queries, right)
-    return torch.searchsorted(sorted_sequence, queries, right=right)
+    if _native_for(row, col, ranks):
+        return torch.ops.snack_cpu.inactive_positions(row, col, in_features, ranks)
+    from snack.topology import linear_positions  # (snack.topology imports this module)
+
+    # the j-th connection has linear[j] - j free positions below it; the r-th free position lies
+    # above exactly the connections with at most r free ones below them
+    free_below = linear_positions(row, col, in_features) - torch.arange(row.numel(), device=row.device)
+    return ranks + torch.searchsorted(free_below, ranks, right=True)
 
 
 def segment_pointer(index: Tensor, size: int) -> Tensor:
@@ -112,7 +117,7 @@ def merge_connections(
     kept_row, kept_col = row.index_select(0, kept), col.index_select(0, kept)
     kept_linear = linear_positions(kept_row, kept_col, in_features)
     # each grown position goes after the kept ones below it and the grown ones before it
-    below = sorted_searchsorted(kept_linear, grow)
+    below = torch.searchsorted(kept_linear, grow)
     if kept.numel():
         clash = kept_linear.index_select(0, below.clamp(max=kept.numel() - 1)) == grow
         if bool(clash.any()):

@@ -3,7 +3,7 @@
 Every function is checked on the native path (CPU tensors, the native backend loaded) and on the
 torch path it falls back to (forced here by patching ``_native_for``), on sizes that cross the
 kernels' chunk boundaries (65536 entries) and on the edge cases: empty inputs, all false/true,
-queries beyond both ends of the list, duplicates.
+full and empty layers, repeated ranks.
 """
 
 import pytest
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from snack import indexing
 from snack.backends.cpu import native  # noqa: F401  (builds and loads the kernels)
 from snack.indexing import (
-    flat_nonzero, merge_connections, positions_where, segment_pointer, sorted_searchsorted, take_or_fill,
+    flat_nonzero, inactive_positions, merge_connections, positions_where, segment_pointer, take_or_fill,
 )
 
 CHUNK = 1 << 16  # index_ops.cpp's kMinChunk
@@ -105,40 +105,54 @@ def test_positions_where_refuses_an_unknown_comparison():
         torch.ops.snack_cpu.positions_where(torch.arange(3), "!=", 1)
 
 
+def _free_positions(row, col, shape):
+    """The positions no connection holds, increasing, from a dense mask (the reference)."""
+    held = torch.zeros(shape, dtype=torch.bool)
+    held[row.long(), col.long()] = True
+    return (~held).flatten().nonzero().squeeze(1)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-5, 5), max_size=30), st.lists(st.integers(-7, 7), max_size=30), st.booleans())
-def test_sorted_searchsorted_is_searchsorted_on_short_lists(sequence, queries, right):
-    sequence = torch.tensor(sorted(sequence), dtype=torch.int64)
-    queries = torch.tensor(sorted(queries), dtype=torch.int64)
-    got = sorted_searchsorted(sequence, queries, right=right)
-    assert torch.equal(got, torch.searchsorted(sequence, queries, right=right))
+@given(st.integers(1, 6), st.integers(1, 6), st.data())
+def test_inactive_positions_are_the_free_positions_by_rank_on_small_layers(out_features, in_features, data):
+    positions = data.draw(st.sets(st.integers(0, out_features * in_features - 1)))
+    linear = torch.tensor(sorted(positions), dtype=torch.int64)
+    row, col = (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
+    free = _free_positions(row, col, (out_features, in_features))
+    ranks = torch.tensor(sorted(data.draw(st.lists(st.integers(0, max(free.numel() - 1, 0)), max_size=20))))
+    ranks = ranks[: 0 if free.numel() == 0 else None].to(torch.int64)
+    assert torch.equal(inactive_positions(row, col, in_features, ranks), free[ranks])
 
 
-@pytest.mark.parametrize("right", [False, True])
 @pytest.mark.parametrize(
-    "n, k", [(0, 5), (5, 0), (3 * CHUNK, 10), (3 * CHUNK + 1, 3 * CHUNK + 5), (100, 4 * CHUNK), (5 * CHUNK, 2 * CHUNK)]
+    "shape, density, k",
+    [
+        ((3, 4), 1.0, 0),  # full: nothing free
+        ((1, 7), 0.0, 7),  # empty: every position, in order
+        ((512, 1024), 0.9, 3 * CHUNK + 5),  # many ranks, in several chunks, mostly a few connections apart
+        ((512, 1024), 0.5, 100),  # ranks far apart: galloping
+        ((2048, 2048), 0.02, 4 * CHUNK),  # dense ranks between sparse connections, repeated ranks
+    ],
 )
-def test_sorted_searchsorted_is_searchsorted_across_chunks(path, n, k, right):
-    generator = torch.Generator().manual_seed(n + k)
-    # many equal entries and queries (a range of 3n values), some queries beyond both ends
-    sequence = torch.randint(0, 3 * n + 1, (n,), generator=generator).sort().values
-    queries = torch.randint(-10, 3 * n + 10, (k,), generator=generator).sort().values
-    got = sorted_searchsorted(sequence, queries, right=right)
-    assert got.dtype == torch.int64 and torch.equal(got, torch.searchsorted(sequence, queries, right=right))
+def test_inactive_positions_across_chunks(path, shape, density, k):
+    generator = torch.Generator().manual_seed(k)
+    total = shape[0] * shape[1]
+    linear = torch.randperm(total, generator=generator)[: int(total * density)].sort().values
+    row, col = (linear // shape[1]).to(torch.int32), (linear % shape[1]).to(torch.int32)
+    free = _free_positions(row, col, shape)
+    ranks = torch.randint(0, max(free.numel(), 1), (k,), generator=generator).sort().values
+    got = inactive_positions(row, col, shape[1], ranks)
+    assert got.dtype == torch.int64 and torch.equal(got, free[ranks])
 
 
-def test_sorted_searchsorted_of_other_dtypes_is_torch_searchsorted():
-    sequence, queries = torch.tensor([1, 3, 3, 9], dtype=torch.int32), torch.tensor([0, 3, 10], dtype=torch.int32)
-    assert sorted_searchsorted(sequence, queries, right=True).tolist() == [0, 3, 4]
-
-
-def test_native_sorted_searchsorted_refuses_queries_out_of_order():
-    with pytest.raises(RuntimeError, match="queries must be non-decreasing, got 5 before 4 at position 2"):
-        sorted_searchsorted(torch.arange(10), torch.tensor([1, 5, 4]))
-    queries = torch.arange(5 * CHUNK)  # the same from a chunk run by another thread
-    queries[4 * CHUNK + 1] = 3
+def test_native_inactive_positions_refuses_ranks_out_of_order():
+    row, col = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="ranks must be non-decreasing, got 5 before 4 at position 2"):
+        inactive_positions(row, col, 10, torch.tensor([1, 5, 4]))
+    ranks = torch.arange(5 * CHUNK)  # the same from a chunk run by another thread
+    ranks[4 * CHUNK + 1] = 3
     with pytest.raises(RuntimeError, match=rf"got {4 * CHUNK} before 3 at position {4 * CHUNK + 1}"):
-        sorted_searchsorted(torch.arange(10), queries)
+        inactive_positions(row, col, 10, ranks)
 
 
 @pytest.mark.parametrize("n, size", [(0, 0), (0, 7), (1, 1), (50, 3), (3 * CHUNK + 11, 4096), (20, 100_000)])
@@ -162,7 +176,7 @@ def test_native_segment_pointer_refuses_entries_out_of_range(bad):
         ("flat_nonzero", (torch.zeros(3, dtype=torch.uint8),)),
         ("flat_nonzero", (torch.zeros(2, 2, dtype=torch.bool),)),
         ("positions_where", (torch.zeros(3), ">=", 0)),
-        ("sorted_searchsorted", (torch.arange(3, dtype=torch.int32), torch.arange(3))),
+        ("inactive_positions", (torch.arange(3, dtype=torch.int32), torch.arange(3), 4, torch.arange(3))),
         ("segment_pointer", (torch.arange(3), 3)),
         ("merge_connections", (torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.ones(2, dtype=torch.bool),
                                torch.zeros(0, dtype=torch.int64), 1, 1)),
@@ -265,7 +279,8 @@ def test_the_torch_calls_run_inside_fake_tensor_mode_and_compiled_code():
         assert not indexing._native_for(torch.empty(3))
 
     @torch.compile(backend="eager", fullgraph=True)  # (no graph break: a native op would be one)
-    def search(sequence, queries):
-        return sorted_searchsorted(sequence, queries, right=True)
+    def free(row, col, ranks):
+        return inactive_positions(row, col, 4, ranks)
 
-    assert search(torch.tensor([0, 3, 3, 7]), torch.tensor([-1, 3, 8])).tolist() == [0, 3, 4]
+    row, col = torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([1, 2, 0], dtype=torch.int32)
+    assert free(row, col, torch.tensor([0, 1, 2, 4])).tolist() == [0, 3, 5, 7]

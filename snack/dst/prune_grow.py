@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snack.indexing import flat_nonzero, positions_where, sorted_searchsorted
+from snack.indexing import flat_nonzero, inactive_positions, positions_where
 from snack.ranking import k_largest_positions, k_smallest_positions, kth_largest, ordering_keys
 from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
@@ -59,8 +59,8 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 
     Draws ``k`` distinct ranks among the inactive positions (:func:`snack.sampling.sorted_sample`,
     on the CPU ``generator``) and maps rank ``r`` to the ``r``-th inactive position: ``r`` plus
-    the number of active positions below it, which one binary search in the sorted active
-    positions finds. Memory is O(nnz + k). Returns ``(k,)`` int64, sorted, on the topology's
+    the number of active positions below it (:func:`snack.indexing.inactive_positions`). Memory
+    is O(nnz + k). Returns ``(k,)`` int64, sorted, on the topology's
     device.
     """
     out_features, in_features = topology.shape
@@ -68,11 +68,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
     if k > inactive:
         raise ValueError(f"cannot grow {k} connections: only {inactive} positions are inactive")
     ranks = sorted_sample(inactive, k, generator).to(topology.device)
-    active = linear_index(topology)
-    # the j-th active position has active[j] - j inactive ones below it; the r-th inactive
-    # position lies above exactly the active ones with at most r inactive below them
-    inactive_below = active - torch.arange(active.numel(), device=active.device)
-    return ranks + sorted_searchsorted(inactive_below, ranks, right=True)
+    return inactive_positions(topology.row, topology.col, in_features, ranks)
 
 
 @torch.no_grad()

@@ -5,9 +5,11 @@
 //       the positions of the true entries, increasing: mask.nonzero().squeeze(1)
 //   positions_where (keys (n,) integer, comparison, bar) -> (count,) int64
 //       the same of `keys comparison bar` (>=, >, <=, <, ==), without the mask in between
-//   sorted_searchsorted (sorted (n,) int64, queries (k,) int64, right) -> (k,) int64
-//       torch.searchsorted(sorted, queries, right=right) for non-decreasing queries, by a merge:
-//       O(n + k) reads in order instead of k binary searches over the whole of `sorted`
+//   inactive_positions (row, col (nnz,) int32, in_features, ranks (k,) int64) -> (k,) int64
+//       for non-decreasing ranks, the ranks[q]-th position (linear r * in + c, from 0) that no
+//       connection holds: ranks[q] plus the number of connections with at most ranks[q] free
+//       positions below them, counted by a merge (O(nnz + k) reads in order, instead of the
+//       linear positions, a subtraction and k binary searches over them)
 //   segment_pointer (index (n,) int32, size)             -> (size + 1,) int32
 //       the pointer array of the segments of equal index, [0] + cumsum(bincount(index, size))
 //   merge_connections (row, col (nnz,) int32, keep (nnz,) bool, grow (k,) int64, out_features, in_features)
@@ -21,7 +23,7 @@
 //       to a rewiring's new connections
 //
 // Why: on the CPU, torch.nonzero took ~7 ns per element (12 ms for the 1.7M-entry masks of a
-// 4096² layer at 90%), searchsorted ~60 ns per query once `sorted` outgrows the caches, and
+// 4096² layer at 90%), searchsorted ~60 ns per query once the list outgrows the caches, and
 // bincount 3 ns per element; a SET update of that layer spent 120 of its 250 ms in them. The
 // merge replaced eleven passes of torch calls (selecting the kept coordinates, locating the grown
 // ones among them, splitting positions into coordinates, scattering both into the new arrays),
@@ -163,46 +165,68 @@ at::Tensor positions_where(const at::Tensor& keys_in, c10::string_view compariso
   return out;
 }
 
-at::Tensor sorted_searchsorted(const at::Tensor& sorted_in, const at::Tensor& queries_in, bool right) {
-  check_vector("sorted_searchsorted", "sorted", sorted_in, at::kLong);
-  check_vector("sorted_searchsorted", "queries", queries_in, at::kLong);
-  const at::Tensor sorted_t = sorted_in.contiguous(), queries_t = queries_in.contiguous();
-  const int64_t* seq = sorted_t.const_data_ptr<int64_t>();
-  const int64_t* queries = queries_t.const_data_ptr<int64_t>();
-  const int64_t n = sorted_t.numel(), k = queries_t.numel();
-  at::Tensor out = at::empty({k}, queries_t.options());
+// The first index in [lo, hi) where pred, true on a prefix of the range, turns false.
+template <typename Pred>
+int64_t first_false(int64_t lo, int64_t hi, const Pred& pred) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (pred(mid)) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+at::Tensor inactive_positions(const at::Tensor& row_in, const at::Tensor& col_in, int64_t in_features,
+                              const at::Tensor& ranks_in) {
+  check_vector("inactive_positions", "row", row_in, at::kInt);
+  check_vector("inactive_positions", "col", col_in, at::kInt);
+  check_vector("inactive_positions", "ranks", ranks_in, at::kLong);
+  TORCH_CHECK(col_in.numel() == row_in.numel(), "snack_cpu.inactive_positions: row and col must have one length, ",
+              "got ", row_in.numel(), " and ", col_in.numel());
+  TORCH_CHECK(in_features > 0, "snack_cpu.inactive_positions: in_features must be positive, got ", in_features);
+  const at::Tensor row_t = row_in.contiguous(), col_t = col_in.contiguous(), ranks_t = ranks_in.contiguous();
+  const int32_t* row = row_t.const_data_ptr<int32_t>();
+  const int32_t* col = col_t.const_data_ptr<int32_t>();
+  const int64_t* ranks = ranks_t.const_data_ptr<int64_t>();
+  const int64_t n = row_t.numel(), k = ranks_t.numel();
+  at::Tensor out = at::empty({k}, ranks_t.options());
   int64_t* out_p = out.mutable_data_ptr<int64_t>();
-  // `s` lies below query v: it counts towards v's answer
-  auto below = [right](int64_t s, int64_t v) { return right ? s <= v : s < v; };
+  // connection j lies below the v-th free position when at most v free positions lie below it:
+  // its linear position minus the j connections before it (non-decreasing in j)
+  auto below = [row, col, in_features](int64_t j, int64_t v) {
+    return int64_t{row[j]} * in_features + col[j] - j <= v;
+  };
   const int64_t chunks = chunk_count(k);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t q0 = k * c / chunks, q1 = k * (c + 1) / chunks;
       if (q0 == q1) continue;
-      // the chunk's first answer by binary search, each later one on from the last: within 8
-      // entries by counting, further by galloping, O(log gap) per query, so sparse queries stay
-      // cheap and dense ones read `sorted` in order
-      int64_t p = std::partition_point(seq, seq + n, [&](int64_t s) { return below(s, queries[q0]); }) - seq;
+      // the chunk's first count by binary search, each later one on from the last: within 8
+      // connections by counting, further by galloping, O(log gap) per rank, so sparse ranks stay
+      // cheap and dense ones read the coordinates in order
+      int64_t p = first_false(0, n, [&](int64_t j) { return below(j, ranks[q0]); });
       for (int64_t q = q0; q < q1; ++q) {
-        const int64_t v = queries[q];
-        TORCH_CHECK(q == q0 || queries[q - 1] <= v, "snack_cpu.sorted_searchsorted: queries must be non-decreasing, ",
-                    "got ", queries[q - 1], " before ", v, " at position ", q);
-        if (p + 8 <= n && !below(seq[p + 7], v)) {
-          // the answer is among the next 8: count them without a branch (queries denser than the
-          // sequence land here, and a branch per entry would be mispredicted once per query)
+        const int64_t v = ranks[q];
+        TORCH_CHECK(q == q0 || ranks[q - 1] <= v, "snack_cpu.inactive_positions: ranks must be non-decreasing, got ",
+                    ranks[q - 1], " before ", v, " at position ", q);
+        if (p + 8 <= n && !below(p + 7, v)) {
+          // the count ends among the next 8: add them up without a branch (ranks denser than the
+          // connections land here, and a branch per entry would be mispredicted once per rank)
           int64_t count = 0;
-          for (int j = 0; j < 8; ++j) count += below(seq[p + j], v);
+          for (int j = 0; j < 8; ++j) count += below(p + j, v);
           p += count;
-        } else if (p < n && below(seq[p], v)) {
-          int64_t lo = p, step = 1;  // invariant: seq[lo] lies below v
-          while (lo + step < n && below(seq[lo + step], v)) {
+        } else if (p < n && below(p, v)) {
+          int64_t lo = p, step = 1;  // invariant: connection lo lies below
+          while (lo + step < n && below(lo + step, v)) {
             lo += step;
             step *= 2;
           }
-          const int64_t hi = std::min(lo + step, n);
-          p = std::partition_point(seq + lo + 1, seq + hi, [&](int64_t s) { return below(s, v); }) - seq;
+          p = first_false(lo + 1, std::min(lo + step, n), [&](int64_t j) { return below(j, v); });
         }
-        out_p[q] = p;
+        out_p[q] = v + p;
       }
     }
   });
@@ -419,7 +443,7 @@ at::Tensor take_or_fill(const at::Tensor& values_in, const at::Tensor& src_in, c
 TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
   m.def("flat_nonzero(Tensor mask) -> Tensor");
   m.def("positions_where(Tensor keys, str comparison, int bar) -> Tensor");
-  m.def("sorted_searchsorted(Tensor sorted, Tensor queries, bool right=False) -> Tensor");
+  m.def("inactive_positions(Tensor row, Tensor col, int in_features, Tensor ranks) -> Tensor");
   m.def("segment_pointer(Tensor index, int size) -> Tensor");
   m.def(
       "merge_connections(Tensor row, Tensor col, Tensor keep, Tensor grow, int out_features, int in_features) -> "
@@ -430,7 +454,7 @@ TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
   m.impl("flat_nonzero", &flat_nonzero);
   m.impl("positions_where", &positions_where);
-  m.impl("sorted_searchsorted", &sorted_searchsorted);
+  m.impl("inactive_positions", &inactive_positions);
   m.impl("segment_pointer", &segment_pointer);
   m.impl("merge_connections", &merge_connections);
   m.impl("take_or_fill", &take_or_fill);
