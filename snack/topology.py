@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from snack.indexing import flat_nonzero, segment_pointer
+from snack.indexing import flat_nonzero, positions_where, segment_pointer
 from snack.ranking import k_largest_positions, ordering_keys
 from snack.sampling import sorted_sample
 
@@ -295,8 +295,8 @@ def largest_magnitudes(flat: Tensor, k: int, *, block: int = BLOCK_ELEMENTS) -> 
         key = keys(start)
         chosen = key > threshold
         if ties:
-            equal = flat_nonzero(key == threshold)[:ties]
-            chosen[equal] = True
+            equal = positions_where(key, "==", threshold)[:ties]
+            chosen.index_fill_(0, equal, True)
             ties -= equal.numel()
         positions.append(flat_nonzero(chosen) + start)
     return torch.cat(positions)
