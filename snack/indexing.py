@@ -2,14 +2,14 @@
 
 Topology updates and construction compact masks into positions, find free positions by rank,
 count connections per column, and merge a rewiring's kept and grown connections, over arrays as
-long as the layer's connections. On the CPU, ``torch.nonzero`` took ~7 ns per
-entry, ``torch.searchsorted`` ~60 ns per query once the list outgrows the caches and
-``torch.bincount`` 3 ns per entry: a SET update of a 4096² layer at 90% spent 120 of its 250 ms
-in them, and its rewiring took eleven more passes of torch calls to build the new coordinates.
-The native kernels (``snack/backends/cpu/index_ops.cpp``) do the same work in one or two passes
-in order. They run for CPU tensors when the native CPU
-backend loads; on other devices, while compiling, or where the kernels could not be built, these
-functions are the torch calls they replace, with the same results.
+long as the layer's connections. On the CPU, ``torch.nonzero`` took ~7 ns per entry,
+``torch.searchsorted`` ~60 ns per query once the list outgrows the caches and ``torch.bincount``
+3 ns per entry: a SET update of a 4096² layer at 90% spent 120 of its 250 ms in them, and its
+rewiring took eleven more passes of torch calls to build the new coordinates. The native kernels
+(``snack/backends/cpu/index_ops.cpp``) do the same work in one or two passes in order. They run
+for CPU tensors when the native CPU backend loads; on other devices, while compiling, or where
+the kernels could not be built, these functions are the torch calls they replace, with the same
+results.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ _COMPARISONS = {">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt, "=
 
 
 def inactive_positions(row: Tensor, col: Tensor, in_features: int, ranks: Tensor) -> Tensor:
-    """The positions that no connection holds, picked by rank: random growth's draw made positions.
+    """The free positions (held by no connection) of the given ranks: random growth's draws as
+    positions.
 
     Args:
         row, col: ``(nnz,)`` int32 coordinates, sorted by ``(row, col)`` and unique (a topology's).

@@ -60,8 +60,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
     Draws ``k`` distinct ranks among the inactive positions (:func:`snack.sampling.sorted_sample`,
     on the CPU ``generator``) and maps rank ``r`` to the ``r``-th inactive position: ``r`` plus
     the number of active positions below it (:func:`snack.indexing.inactive_positions`). Memory
-    is O(nnz + k). Returns ``(k,)`` int64, sorted, on the topology's
-    device.
+    is O(nnz + k). Returns ``(k,)`` int64, sorted, on the topology's device.
     """
     out_features, in_features = topology.shape
     inactive = out_features * in_features - topology.nnz
