@@ -155,6 +155,22 @@ def test_native_inactive_positions_refuses_ranks_out_of_order():
         inactive_positions(row, col, 10, ranks)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_inactive_positions_refuses_a_decrease_at_any_chunk_boundary(threads):
+    # (each chunk checks its own ranks, and its first against the one before it)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ranks = torch.arange(6 * CHUNK)
+        for boundary in range(CHUNK, 6 * CHUNK, CHUNK // 2):
+            ranks_down = ranks.clone()
+            ranks_down[boundary:] -= 10
+            with pytest.raises(RuntimeError, match=f"at position {boundary}$"):
+                inactive_positions(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 4, ranks_down)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("n, size", [(0, 0), (0, 7), (1, 1), (50, 3), (3 * CHUNK + 11, 4096), (20, 100_000)])
 def test_segment_pointer_is_the_cumulative_count(path, n, size):
     index = torch.randint(0, max(size, 1), (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int32)
@@ -258,6 +274,22 @@ def test_take_or_fill_gathers_and_fills(path, dtype, n):
     got = take_or_fill(values, src, 1)
     expected = torch.where(src >= 0, values[src.clamp(min=0)], torch.ones((), dtype=dtype))
     assert got.dtype == dtype and torch.equal(got, expected)
+
+
+def test_take_or_fill_refuses_a_fill_its_dtype_cannot_hold(path):
+    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"):
+        take_or_fill(torch.ones(2, dtype=torch.float16), torch.tensor([-1, 0]), 1e5)
+
+
+def test_merge_connections_of_the_tallest_layer(path):
+    # grown positions 2^31 - 2 rows apart (each row found by division, not walked to)
+    last = (1 << 31) - 2
+    empty = torch.zeros(0, dtype=torch.int32)
+    new_row, new_col, src, slots = merge_connections(
+        empty, empty, torch.zeros(0, dtype=torch.bool), torch.tensor([0, last]), (last + 1, 1)
+    )
+    assert new_row.tolist() == [0, last] and new_col.tolist() == [0, 0]
+    assert src.tolist() == [-1, -1] and slots.tolist() == [0, 1]
 
 
 def test_take_or_fill_from_nothing_is_all_fill(path):

@@ -186,7 +186,8 @@ at::Tensor inactive_positions(const at::Tensor& row_in, const at::Tensor& col_in
   check_vector("inactive_positions", "ranks", ranks_in, at::kLong);
   TORCH_CHECK(col_in.numel() == row_in.numel(), "snack_cpu.inactive_positions: row and col must have one length, ",
               "got ", row_in.numel(), " and ", col_in.numel());
-  TORCH_CHECK(in_features > 0, "snack_cpu.inactive_positions: in_features must be positive, got ", in_features);
+  TORCH_CHECK(in_features > 0 && in_features < (int64_t{1} << 31),
+              "snack_cpu.inactive_positions: in_features must be in [1, 2^31), got ", in_features);
   const at::Tensor row_t = row_in.contiguous(), col_t = col_in.contiguous(), ranks_t = ranks_in.contiguous();
   const int32_t* row = row_t.const_data_ptr<int32_t>();
   const int32_t* col = col_t.const_data_ptr<int32_t>();
@@ -210,7 +211,8 @@ at::Tensor inactive_positions(const at::Tensor& row_in, const at::Tensor& col_in
       int64_t p = first_false(0, n, [&](int64_t j) { return below(j, ranks[q0]); });
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t v = ranks[q];
-        TORCH_CHECK(q == q0 || ranks[q - 1] <= v, "snack_cpu.inactive_positions: ranks must be non-decreasing, got ",
+        // (q0's predecessor too: a chunk boundary, which moves with the thread count, is no exception)
+        TORCH_CHECK(q == 0 || ranks[q - 1] <= v, "snack_cpu.inactive_positions: ranks must be non-decreasing, got ",
                     ranks[q - 1], " before ", v, " at position ", q);
         if (p + 8 <= n && !below(p + 7, v)) {
           // the count ends among the next 8: add them up without a branch (ranks denser than the
@@ -284,15 +286,16 @@ at::Tensor segment_pointer(const at::Tensor& index_in, int64_t size) {
 int64_t merge_chunk(const int32_t* row, const int32_t* col, const uint8_t* keep, int64_t i0, int64_t i1,
                     const int64_t* grow, int64_t k, int64_t in_features, int64_t o, int32_t* __restrict__ row_out,
                     int32_t* __restrict__ col_out, int64_t* __restrict__ src_out, int64_t* __restrict__ slot_out) {
-  // the row of the next grow position, followed upwards (a division per position cost more)
+  // the row of the next grow position: a division only where the row changes (one per position
+  // cost more)
   int64_t j = 0, grow_row = k > 0 ? grow[0] / in_features : 0, row_start = grow_row * in_features;
   for (int64_t i = i0;; ++i) {
     // the grow positions below connection i (after the last one, all that are left)
     const int64_t position = i < i1 ? int64_t{row[i]} * in_features + col[i] : std::numeric_limits<int64_t>::max();
     for (; j < k && grow[j] < position; ++j, ++o) {
-      while (grow[j] >= row_start + in_features) {
-        ++grow_row;
-        row_start += in_features;
+      if (grow[j] >= row_start + in_features) {
+        grow_row = grow[j] / in_features;
+        row_start = grow_row * in_features;
       }
       row_out[o] = static_cast<int32_t>(grow_row);
       col_out[o] = static_cast<int32_t>(grow[j] - row_start);
@@ -420,7 +423,9 @@ at::Tensor take_or_fill(const at::Tensor& values_in, const at::Tensor& src_in, c
               "tensor, got ", values_in.dim(), "-D on ", values_in.device());
   check_vector("take_or_fill", "src", src_in, at::kLong);
   const at::Tensor values = values_in.contiguous(), src = src_in.contiguous();
-  const at::Tensor fill_t = at::scalar_tensor(fill, values.options());  // (converted to values' dtype)
+  // fill in values' dtype, converted by index_fill_ as the torch fallback does (it raises where
+  // the dtype cannot hold fill; at::scalar_tensor and fill_ would give inf)
+  const at::Tensor fill_t = at::empty({1}, values.options()).index_fill_(0, at::zeros({1}, src.options()), fill);
   at::Tensor out = at::empty({src.numel()}, values.options());
   const int64_t m = values.numel(), n = src.numel();
   const void* values_p = values.const_data_ptr();
