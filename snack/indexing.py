@@ -60,15 +60,22 @@ def inactive_positions(row: Tensor, col: Tensor, in_features: int, ranks: Tensor
     Args:
         row, col: ``(nnz,)`` int32 coordinates, sorted by ``(row, col)`` and unique (a topology's).
         in_features: the width of a row.
-        ranks: ``(k,)`` int64, non-decreasing, each below the number of free positions.
+        ranks: ``(k,)`` int64, non-decreasing, from 0, each below the number of free positions
+            (a larger one gives a position past the last row).
 
     Returns:
         ``(k,)`` int64: the ``ranks[q]``-th free position (linear ``r · in + c``, from 0). On the
-        CPU this is one merge-like pass over the coordinates (O(nnz + k)); ranks out of order
-        raise ``RuntimeError`` there.
+        CPU this is one merge-like pass over the coordinates (O(nnz + k)).
+
+    Raises:
+        RuntimeError: ranks that decrease or start below 0 (not checked in compiled code).
     """
     if _native_for(row, col, ranks):
         return torch.ops.snack_cpu.inactive_positions(row, col, in_features, ranks)
+    if _readable(ranks):
+        _check_increasing("inactive_positions", "ranks", ranks, strictly=False)
+        if ranks.numel() and int(ranks[0]) < 0:
+            raise RuntimeError(f"inactive_positions: ranks must be at least 0, got {int(ranks[0])}")
     from snack.topology import linear_positions  # (snack.topology imports this module)
 
     # the j-th connection has linear[j] - j free positions below it; the r-th free position lies
@@ -108,10 +115,16 @@ def merge_connections(
 
     Raises:
         ValueError: a grow position is a connection that stays.
+        RuntimeError: grow positions that do not increase or lie outside ``[0, out · in)`` (not
+            checked in compiled code).
     """
     out_features, in_features = shape
     if _native_for(row, col, keep, grow):
         return torch.ops.snack_cpu.merge_connections(row, col, keep, grow, out_features, in_features)
+    if _readable(grow):
+        _check_increasing("merge_connections", "grow positions", grow, strictly=True)
+        if grow.numel() and not (int(grow[0]) >= 0 and int(grow[-1]) < out_features * in_features):
+            raise RuntimeError(f"merge_connections: grow positions must be in [0, {out_features * in_features})")
     from snack.topology import coo_from_linear, linear_positions  # (snack.topology imports this module)
 
     kept = flat_nonzero(keep)
@@ -141,15 +154,39 @@ def take_or_fill(values: Tensor, src: Tensor, fill: float) -> Tensor:
     """``(n,)``: ``values[src[i]]``, or ``fill`` where ``src[i]`` is ``-1``, for ``(m,)``
     ``values`` of any dtype and ``(n,)`` int64 ``src`` in ``[-1, m)`` (what
     :func:`merge_connections` returns): a parameter or its optimizer state carried over to a
-    rewiring's connections."""
+    rewiring's connections. An entry of ``src`` outside ``[-1, m)`` raises ``IndexError`` (not
+    checked in compiled code)."""
     if _native_for(values, src):
         return torch.ops.snack_cpu.take_or_fill(values, src, fill)
+    if _readable(src):
+        outside = flat_nonzero((src < -1) | (src >= values.numel()))
+        if outside.numel():
+            first = int(outside[0])
+            raise IndexError(f"take_or_fill: src[{first}] = {int(src[first])} is outside [-1, {values.numel()})")
     if values.numel() == 0:  # (index_select cannot take a clamped -1 from nothing)
-        if bool((src >= 0).any()):
-            raise IndexError(f"take_or_fill: src must be -1 everywhere for empty values, got {src.max()}")
         return values.new_full(src.shape, fill)
     # the new entries read entry 0, then are overwritten: one gather, no masked index
     return values.index_select(0, src.clamp(min=0)).index_fill_(0, flat_nonzero(src < 0), fill)
+
+
+def _check_increasing(function: str, name: str, tensor: Tensor, *, strictly: bool) -> None:
+    """Raises ``RuntimeError`` (as the native kernels do) at the first entry of the ``(n,)``
+    ``tensor`` that is not above (``strictly``) or at least its predecessor."""
+    decrease = flat_nonzero(tensor[1:] <= tensor[:-1] if strictly else tensor[1:] < tensor[:-1])
+    if decrease.numel():
+        at = int(decrease[0]) + 1
+        rule = "increase" if strictly else "be non-decreasing"
+        raise RuntimeError(
+            f"{function}: {name} must {rule}, got {int(tensor[at - 1])} before {int(tensor[at])} at position {at}"
+        )
+
+
+def _readable(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s entries can be read to check them: not while compiling or under fake
+    tensors (there the torch path runs unchecked, as the custom ops do)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None and tensor.device.type != "meta"
 
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
@@ -159,9 +196,7 @@ def _native_for(*tensors: Tensor) -> bool:
     """Whether the native kernels take these tensors: CPU ones, outside compilation and fake
     tensor modes (which need ops they can trace), when the native CPU backend loads (building it
     on first use; where it cannot, the torch calls run)."""
-    if any(tensor.device.type != "cpu" for tensor in tensors) or torch.compiler.is_compiling():
-        return False
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+    if any(tensor.device.type != "cpu" for tensor in tensors) or not _readable(tensors[0]):
         return False
     from snack import backends  # (imports snack.topology, which imports this module)
 

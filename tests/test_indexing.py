@@ -145,7 +145,7 @@ def test_inactive_positions_across_chunks(path, shape, density, k):
     assert got.dtype == torch.int64 and torch.equal(got, free[ranks])
 
 
-def test_native_inactive_positions_refuses_ranks_out_of_order():
+def test_inactive_positions_refuses_ranks_out_of_order(path):
     row, col = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="ranks must be non-decreasing, got 5 before 4 at position 2"):
         inactive_positions(row, col, 10, torch.tensor([1, 5, 4]))
@@ -153,6 +153,12 @@ def test_native_inactive_positions_refuses_ranks_out_of_order():
     ranks[4 * CHUNK + 1] = 3
     with pytest.raises(RuntimeError, match=rf"got {4 * CHUNK} before 3 at position {4 * CHUNK + 1}"):
         inactive_positions(row, col, 10, ranks)
+
+
+def test_inactive_positions_refuses_negative_ranks(path):
+    row, col = torch.tensor([0], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="ranks must be at least 0, got -1"):
+        inactive_positions(row, col, 10, torch.tensor([-1, 0]))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -257,12 +263,13 @@ def test_merge_connections_refuses_to_grow_where_a_connection_stays(path):
         merge_connections(row, col, keep, clashing, (4096, 128))
 
 
-def test_native_merge_connections_refuses_grow_positions_out_of_order_or_range():
-    row, col, keep, grow, _ = _rewiring((3, 5), 0.5, 0.5, 0.5, seed=0)
-    with pytest.raises(RuntimeError, match="grow positions must increase"):
-        merge_connections(row, col, keep, grow.flip(0), (3, 5))
-    with pytest.raises(RuntimeError, match=r"grow positions must be in \[0, 15\)"):
-        merge_connections(row, col, keep, torch.tensor([15]), (3, 5))
+@pytest.mark.parametrize("bad_grow", [[2, 2], [3, 1], [-1], [15]])
+def test_merge_connections_refuses_grow_positions_out_of_order_or_range(path, bad_grow):
+    row, col = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
+    keep = torch.tensor([True, False])
+    message = r"grow positions must be in \[0, 15\)" if len(bad_grow) == 1 else "grow positions must increase, got"
+    with pytest.raises(RuntimeError, match=message):
+        merge_connections(row, col, keep, torch.tensor(bad_grow), (3, 5))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float32, torch.int64, torch.complex128])
@@ -297,7 +304,7 @@ def test_take_or_fill_from_nothing_is_all_fill(path):
 
 
 @pytest.mark.parametrize("bad", [-2, 7])
-def test_native_take_or_fill_refuses_src_out_of_range(bad):
+def test_take_or_fill_refuses_src_out_of_range(path, bad):
     src = torch.zeros(3 * CHUNK, dtype=torch.int64)
     src[2 * CHUNK + 1] = bad
     with pytest.raises(IndexError, match=rf"src\[{2 * CHUNK + 1}\] = {bad} is outside \[-1, 7\)"):

@@ -193,6 +193,7 @@ at::Tensor inactive_positions(const at::Tensor& row_in, const at::Tensor& col_in
   const int32_t* col = col_t.const_data_ptr<int32_t>();
   const int64_t* ranks = ranks_t.const_data_ptr<int64_t>();
   const int64_t n = row_t.numel(), k = ranks_t.numel();
+  TORCH_CHECK(k == 0 || ranks[0] >= 0, "snack_cpu.inactive_positions: ranks must be at least 0, got ", ranks[0]);
   at::Tensor out = at::empty({k}, ranks_t.options());
   int64_t* out_p = out.mutable_data_ptr<int64_t>();
   // connection j lies below the v-th free position when at most v free positions lie below it:
