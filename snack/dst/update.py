@@ -42,8 +42,9 @@ class Rewiring:
             self.optimizer.state[param] = self.state
 
 
-def _positions(tensor, argument: str, name: str, limit: int, device: torch.device) -> Tensor:
-    """``tensor`` as ``(k,)`` int64 on ``device`` after checking it holds unique ints in ``[0, limit)``."""
+def _positions(tensor, argument: str, name: str, limit: int, device: torch.device) -> tuple[Tensor, bool]:
+    """``tensor`` as ``(k,)`` int64 on ``device`` after checking it holds unique ints in ``[0, limit)``,
+    and whether they increase (read once: a pass over them)."""
     if not isinstance(tensor, Tensor) or tensor.dim() != 1 or tensor.is_floating_point() or tensor.dtype == torch.bool:
         shown = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, Tensor) else type(tensor).__name__
         raise TypeError(f"{name}: {argument} must be a 1-D integer tensor, got {shown}")
@@ -52,9 +53,10 @@ def _positions(tensor, argument: str, name: str, limit: int, device: torch.devic
         raise ValueError(
             f"{name}: {argument} positions must be in [0, {limit}), got {int(tensor.min())}..{int(tensor.max())}"
         )
-    if not _increasing(tensor) and tensor.unique().numel() != tensor.numel():  # sorted ones need no sort
+    increasing = _increasing(tensor)
+    if not increasing and tensor.unique().numel() != tensor.numel():  # sorted ones need no sort
         raise ValueError(f"{name}: {argument} positions must be unique")
-    return tensor
+    return tensor, increasing
 
 
 def _grow_values(grow_values, grow: Tensor, values: Tensor, name: str) -> Tensor:
@@ -91,11 +93,11 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
         raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
     check_optimizer(optimizer, {name: layer.values})
     values = layer.values
-    drop = _positions(drop, "drop", name, layer.nnz, values.device)
-    grow = _positions(grow, "grow", name, layer.out_features * layer.in_features, values.device)
+    drop, _ = _positions(drop, "drop", name, layer.nnz, values.device)
+    grow, grow_increasing = _positions(grow, "grow", name, layer.out_features * layer.in_features, values.device)
     if grow_values is not None:
         grow_values = _grow_values(grow_values, grow, values, name)
-    if not _increasing(grow):  # the algorithms' come sorted
+    if not grow_increasing:  # the algorithms' come sorted
         order = torch.argsort(grow)
         grow = grow[order]
         grow_values = grow_values[order] if grow_values is not None else None
