@@ -392,7 +392,7 @@ Merged merge_connections(const at::Tensor& row_in, const at::Tensor& col_in, con
 
 // first ? a : b without a branch. GCC compiles the plain conditional (of addresses or of the
 // values read there) to a branch, which in take_or_fill mispredicted at every scattered new
-// connection: 7 ns per entry with 30% of them new, against 2 ns with this.
+// connection: 7.4 ns per entry on one thread with 30% of them new, against 5 ns with this.
 template <typename T>
 inline const T* choose(bool first, const T* a, const T* b) {
   const uintptr_t take_a = -static_cast<uintptr_t>(first);  // all ones or all zeros
