@@ -18,7 +18,8 @@ two, so gradients of any order stay sparse. The kernel registered for each devic
 
 A first-order backward of ``spmm`` that needs both gradients calls ``snack::spmm_backward``
 instead, which runs the backend's optional ``spmm_backward(dy, x, values, topo) -> (dx, dvalues)``
-(both in one pass over the weight) or, when the backend has none, its ``spmm_t`` and ``sddmm``.
+(both in one pass over the weight where that pays; the CPU backend decides per call) or, when the
+backend has none, its ``spmm_t`` and ``sddmm``.
 
 :func:`sparse_linear` (what :class:`snack.SparseLinear` runs) uses the custom ops only under
 ``torch.compile``. Eagerly it checks its arguments once and runs one autograd node,
@@ -133,8 +134,8 @@ def _spmm_backward_kernel(
     bias_grad: bool = False,
 ) -> tuple[Tensor, ...]:
     """``(spmm_t(dy, values), sddmm(dy, x))``, and ``dy.sum(0)`` (the bias gradient) third when
-    ``bias_grad``: the backend's fused ``spmm_backward`` (one pass over the weight) when it has
-    one, else its two kernels."""
+    ``bias_grad``: the backend's ``spmm_backward`` (one pass over the weight where that pays) when it
+    has one, else its two kernels."""
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
     _check("spmm_t", dy, values, topo)
     _check("sddmm", dy, x, topo)

@@ -121,8 +121,9 @@ def test_ops_dispatch_to_native_kernels(monkeypatch):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
-# 16, 32 and 64 fill whole 512-bit vectors; 3, 70 and 130 leave partial tiles
-@pytest.mark.parametrize("batch", [1, 3, 8, 16, 32, 64, 70, 130])
+# 16, 32 and 64 fill whole 512-bit vectors, 8 and 24 whole 256-bit ones; 3, 70 and 130 leave
+# partial tiles
+@pytest.mark.parametrize("batch", [1, 3, 8, 16, 24, 32, 64, 70, 130])
 def test_kernels_match_reference(op, dtype, batch, threads):
     # 400 × 200 at 50%: enough work that two threads really split it, also at batch 1 (the
     # kernels run serially below 2^15 multiply-adds); 130 spans several tiles
@@ -360,6 +361,40 @@ def test_spmm_adds_the_bias_in_the_kernel(batch, dtype, threads):
     torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "two-passes"])
+@pytest.mark.parametrize("batch", [1, 5, 24, 32, 70])
+def test_backward_in_one_pass_or_two_matches_reference(fuse, batch, threads):
+    topo = random_topology(300, 200, 0.6)
+    generator = torch.Generator().manual_seed(batch)
+    dy, x = (torch.randn(batch, n, generator=generator, dtype=torch.float64) for n in (300, 200))
+    values = torch.randn(topo.nnz, generator=generator, dtype=torch.float64)
+    dx, dvalues, dbias = native.spmm_backward(dy, x, values, topo.tensors(), bias_grad=True, fuse=fuse)
+    torch.testing.assert_close(dx, reference.spmm_t(dy, values, topo.tensors()))
+    torch.testing.assert_close(dvalues, reference.sddmm(dy, x, topo.tensors()))
+    torch.testing.assert_close(dbias, dy.sum(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_backward_runs_in_two_passes_where_fusing_saves_none(dtype, threads):
+    # fused, dX and dvalues keep two (in, W) tiles in L2; where that forces tiles half as wide as
+    # spmm_t and sddmm use alone (as many passes over the weight), spmm_backward runs those two
+    # instead (the L2 size sets where)
+    fuses = torch.ops.snack_cpu.fuses_backward
+    assert fuses(1, 200, dtype) and fuses(32, 200, dtype)
+    batch = 32
+    in_features = next((2**k for k in range(8, 22) if not fuses(batch, 2**k, dtype)), None)
+    assert in_features is not None, "no width up to 2^21 inputs makes the fused backward halve its tile"
+    topo = random_topology(40, in_features, 1 - 2000 / (40 * in_features))
+    for n in (200, in_features):  # the default is the kernel fuses_backward names, bit for bit
+        t = topo.tensors() if n == in_features else random_topology(40, n, 0.5).tensors()
+        dy, x = torch.randn(batch, 40, dtype=dtype), torch.randn(batch, n, dtype=dtype)
+        values = torch.randn(t.col.numel(), dtype=dtype)
+        default = native.spmm_backward(dy, x, values, t)
+        chosen = native.spmm_backward(dy, x, values, t, fuse=fuses(batch, n, dtype))
+        assert all(torch.equal(a, b) for a, b in zip(default, chosen))
+    assert_matches_reference("spmm_backward", topo, batch, dtype)
+
+
 @pytest.mark.parametrize("batch", [1, 7, 40, 70, 130])  # 70 and 130 span several batch tiles
 def test_fused_backward_also_returns_the_bias_gradient(batch, threads):
     topo = random_topology(21, 30, 0.6)
@@ -434,9 +469,10 @@ def test_16_bit_columns_follow_in_place_changes():
                                                 torch.randn(3, dtype=torch.float64)), "dtype"),
         (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(2, 4), torch.randn(3), t.rowptr, t.col.short()), "\\(1, in\\)"),
         (lambda t: torch.ops.snack_cpu.spmv_u16(torch.randn(1, 4), torch.randn(3), t.rowptr, t.col), "int16"),
+        (lambda t: torch.ops.snack_cpu.fuses_backward(-1, 4, torch.float32), "batch and in_features must be >= 0"),
     ],
     ids=["dtype", "index-dtype", "length", "dy-shape", "batch", "sddmm-dy-shape", "fused-batch", "bias-shape", "u16-bias-dtype",
-         "u16-batch", "u16-index-dtype"],
+         "u16-batch", "u16-index-dtype", "fuses-negative-batch"],
 )
 def test_native_ops_reject_bad_input(call, message):
     topo = Topology(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1, 0, 3], dtype=torch.int32), (3, 4))
@@ -478,7 +514,7 @@ print("ok")
 @pytest.mark.parametrize("isa", ["AVX2", "DEFAULT"])
 def test_kernels_built_for_narrower_vector_isas(isa):
     # the build ships for the ISA torch uses on the machine: AVX2 machines (and ones without AVX)
-    # compile other code paths (8-wide vectors, no 16-way reductions, scalar gathers)
+    # compile other code paths (8-wide vectors, 8-way rather than 16-way reductions, scalar gathers)
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT" and isa == "AVX2":
         pytest.skip("this CPU has no AVX2")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower()}

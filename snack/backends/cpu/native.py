@@ -70,10 +70,14 @@ def sddmm(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
 
 
 def spmm_backward(
-    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False
+    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool = False, fuse: bool | None = None
 ) -> tuple[Tensor, ...]:
-    """``(spmm_t(dy, values), sddmm(dy, x))`` in one pass over the weight: ``dy (B, out)``,
-    ``x (B, in)`` → ``(dx (B, in), dvalues (nnz,))``, plus ``dbias = dy.sum(0)`` (computed while
-    packing ``dy``) as a third output when ``bias_grad``."""
-    dx, dvalues, dbias = _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col, bias_grad)
+    """``(spmm_t(dy, values), sddmm(dy, x))``: ``dy (B, out)``, ``x (B, in)`` → ``(dx (B, in),
+    dvalues (nnz,))``, plus ``dbias = dy.sum(0)`` (computed while packing ``dy``) as a third output
+    when ``bias_grad``. One pass over the weight (``fuse=True``) or the two kernels one after the
+    other (``False``). By default the fused pass, unless its two L2-resident ``(in, W)`` tiles force
+    so many narrower batch tiles that it would read the weight as often as the two kernels (a large
+    ``in × B`` for the L2 cache; ``torch.ops.snack_cpu.fuses_backward`` says which): there the two
+    kernels measured faster (``benchmarks/backward_fusion.py``)."""
+    dx, dvalues, dbias = _ops.spmm_backward(dy, x, values, topo.rowptr, topo.col, bias_grad, fuse)
     return (dx, dvalues, dbias) if bias_grad else (dx, dvalues)
