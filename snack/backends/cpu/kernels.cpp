@@ -988,8 +988,7 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
   return out;
 }
 
-// Whether spmm_backward runs fused for a batch of B rows of in_features accumulated in
-// elem_size bytes. Fused, dX and dvalues take one pass over W's indices and values per batch
+// Whether spmm_backward runs fused for a batch of B rows of in_features of dtype. Fused, dX and dvalues take one pass over W's indices and values per batch
 // tile, against two (spmm_t's and sddmm's) apart; but fused keeps two (in, W) tiles in L2 (the
 // dX accumulator and x) where each kernel alone keeps one, so where L2 is small it may need
 // narrower tiles, hence more of them. It fuses when that still makes fewer passes; on a tie the
@@ -998,15 +997,12 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
 // 1.1-1.3x faster; 24, 32, 64 and 128 (fused: twice the tiles) mostly 0.6-0.9x the speed; 48
 // (16-wide tiles fused against 24-wide apart: 3 passes against 4) 1.2-1.5x, except at 4096²,
 // 90%: 0.74-0.78x. A layer with in = 768 fuses at every batch up to 128 (1.0-1.5x).
-bool fuses_backward(int64_t B, int64_t in_features, int64_t elem_size) {
-  const auto tiles = [B](int W) { return (B + W - 1) / W; };
-  return tiles(tile_width(B, 2 * in_features, elem_size)) < 2 * tiles(tile_width(B, in_features, elem_size));
-}
-
-bool fuses_backward_op(int64_t B, int64_t in_features, at::ScalarType dtype) {
+bool fuses_backward(int64_t B, int64_t in_features, at::ScalarType dtype) {
   TORCH_CHECK(B >= 0 && in_features >= 0, "snack_cpu.fuses_backward: batch and in_features must be >= 0, got ", B,
               " and ", in_features);
-  return fuses_backward(B, in_features, dtype == at::kDouble ? 8 : 4);  // sizeof(acc_type)
+  const int64_t elem_size = dtype == at::kDouble ? 8 : 4;  // sizeof(acc_type)
+  const auto tiles = [B](int W) { return (B + W - 1) / W; };
+  return tiles(tile_width(B, 2 * in_features, elem_size)) < 2 * tiles(tile_width(B, in_features, elem_size));
 }
 
 // The backward of y = x · Wᵀ (+ bias): (dx = dy · W, dvalues = sddmm(dy, x), dbias = Σ_b dy[b, :]
@@ -1022,7 +1018,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spmm_backward(const at::Tensor& d
   TORCH_CHECK(values.numel() == col.numel(), "snack_cpu.spmm_backward: values and col must have the same length");
   TORCH_CHECK(dy.size(1) == rowptr.numel() - 1 && x.size(0) == dy.size(0), "snack_cpu.spmm_backward: dy must be (B, ",
               rowptr.numel() - 1, ") and x (B, in), got ", dy.sizes(), " and ", x.sizes());
-  if (fuse.value_or(fuses_backward_op(dy.size(0), x.size(1), dy.scalar_type()))) {
+  if (fuse.value_or(fuses_backward(dy.size(0), x.size(1), dy.scalar_type()))) {
     return scatter_product<true>(dy, values, rowptr, col, x.size(1), x, bias_grad);
   }
   auto [dx, unused, dbias] = scatter_product<false>(dy, values, rowptr, col, x.size(1), at::Tensor(), bias_grad);
@@ -1037,7 +1033,7 @@ TORCH_LIBRARY(snack_cpu, m) {
   m.def("spmm_t(Tensor dy, Tensor values, Tensor rowptr, Tensor col, int in_features) -> Tensor");
   m.def("sddmm(Tensor dy, Tensor x, Tensor rowptr, Tensor col) -> Tensor");
   m.def("spmm_backward(Tensor dy, Tensor x, Tensor values, Tensor rowptr, Tensor col, bool bias_grad=False, bool? fuse=None) -> (Tensor, Tensor, Tensor)");
-  m.def("fuses_backward(int batch, int in_features, ScalarType dtype) -> bool", &fuses_backward_op);
+  m.def("fuses_backward(int batch, int in_features, ScalarType dtype) -> bool", &fuses_backward);
 }
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
