@@ -535,6 +535,37 @@ def test_an_unloadable_cached_library_is_rebuilt(tmp_path, monkeypatch, capsys):
     assert library.stat().st_size > 1000  # a real library now, and it loaded
 
 
+# Builds a one-function library into an empty cache once both processes have imported torch.
+_RACING_BUILD = """
+import sys, time
+from pathlib import Path
+from snack.backends import cpu
+here = Path(sys.argv[1])
+cpu._SOURCES = (here / "kernels.cpp",)
+(here / sys.argv[2]).touch()
+while not all((here / rank).exists() for rank in ("0", "1")):
+    time.sleep(0.01)
+print(cpu.build())
+"""
+
+
+def test_processes_building_at_once_take_turns(tmp_path):
+    """Two processes (DDP ranks, test workers) starting on an empty cache: one compiles, the other
+    waits and loads that build. Unlocked, both compiled, and one could load the other's library
+    half linked, take it for broken and delete the build under it."""
+    (tmp_path / "kernels.cpp").write_text("extern \"C\" int snack_test_symbol() { return 1; }\n")
+    env = {**os.environ, "SNACK_CACHE_DIR": str(tmp_path / "cache")}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RACING_BUILD, str(tmp_path), rank], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        for rank in ("0", "1")
+    ]
+    results = [rank.communicate(timeout=300) + (rank.returncode,) for rank in ranks]
+    assert [code for _, _, code in results] == [0, 0], [err[-2000:] for _, err, _ in results]
+    assert results[0][0] == results[1][0], "both loaded the same library"
+    assert sum("compiling native CPU kernels" in err for _, err, _ in results) == 1, [err for _, err, _ in results]
+
+
 def test_an_unusable_cache_directory_is_a_build_error(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.touch()
@@ -571,8 +602,10 @@ def test_prune_deletes_only_builds_this_source_would_never_load(tmp_path, monkey
     for name in current + stale + ["unrelated"]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "lib.so").write_bytes(b"x")
+        (tmp_path / f"{name}.lock").touch()  # build()'s lock beside each build
     assert sorted(path.name for path in cpu.prune()) == sorted(stale)
-    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*current, "unrelated"])
+    kept = [*current, "unrelated"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(kept + [f"{name}.lock" for name in kept])
     # what this process loads is among the kept names
     assert cpu._build_spec()[0] == cpu._library(torch.backends.cpu.get_cpu_capability(), cpu._sanitizer())[0]
 

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 __all__ = ["BuildError", "build", "prune"]
 
@@ -105,11 +106,13 @@ def prune() -> list[Path]:
     stale = [path for path in sorted(_cache_dir().glob("snack_cpu_*")) if path.is_dir() and path.name not in current]
     for path in stale:
         shutil.rmtree(path)
+        path.with_name(f"{path.name}.lock").unlink(missing_ok=True)  # build()'s
     return stale
 
 
 def build(*, verbose: bool | None = None) -> Path:
     """Compile the kernels if the cache lacks them, load them, and return the library's path.
+    Processes building at once take turns (a file lock beside the build directory).
 
     ``verbose`` (default: the ``SNACK_BUILD_VERBOSE`` environment variable is set) shows the
     compiler's output.
@@ -120,6 +123,23 @@ def build(*, verbose: bool | None = None) -> Path:
     if verbose is None:
         verbose = bool(os.environ.get("SNACK_BUILD_VERBOSE"))
     name, flags, ldflags, build_dir = _build_spec()
+    try:
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Processes that start together on a cache without this build (DDP ranks, test workers)
+        # take turns: the first builds it, the others wait and load it. Unlocked, one could load
+        # a library still being linked, find it truncated and delete the build under the other.
+        lock = FileLock(build_dir.with_name(f"{name}.lock"))
+        lock.acquire()
+    except OSError as error:
+        raise _build_error(error, build_dir) from error
+    try:
+        return _load_or_build(name, flags, ldflags, build_dir, verbose)
+    finally:
+        lock.release()
+
+
+def _load_or_build(name: str, flags: list[str], ldflags: list[str], build_dir: Path, verbose: bool) -> Path:
+    """:func:`build`'s work, under its lock: load the cached library, else compile and load it."""
     library = build_dir / f"{name}.so"
     if library.exists():
         try:
@@ -143,10 +163,14 @@ def build(*, verbose: bool | None = None) -> Path:
             verbose=verbose,
         )
     except Exception as error:  # compiler missing, compile error, ninja failure: all reported the same way
-        raise BuildError(
-            f"building snack's native CPU kernels failed ({type(error).__name__}: {error}). "
-            f"They need a C++17 compiler (g++ or clang++) and ninja; the build directory is {build_dir}. "
-            "Run `python -m snack.backends.cpu --build --verbose` for the full log, or use "
-            "snack.use_backend('reference') to run without them (slowly)."
-        ) from error
+        raise _build_error(error, build_dir) from error
     return library
+
+
+def _build_error(error: Exception, build_dir: Path) -> BuildError:
+    return BuildError(
+        f"building snack's native CPU kernels failed ({type(error).__name__}: {error}). "
+        f"They need a C++17 compiler (g++ or clang++) and ninja; the build directory is {build_dir}. "
+        "Run `python -m snack.backends.cpu --build --verbose` for the full log, or use "
+        "snack.use_backend('reference') to run without them (slowly)."
+    )
