@@ -9,7 +9,7 @@ rewiring took eleven more passes of torch calls to build the new coordinates. Th
 (``snack/backends/cpu/index_ops.cpp``) do the same work in one or two passes in order. They run
 for CPU tensors when the native CPU backend loads; on other devices, while compiling, or where
 the kernels could not be built, these functions are the torch calls they replace, with the same
-results.
+results. A backend forced by :func:`snack.use_backend` other than ``"cpu"`` gets the torch calls too.
 """
 
 from __future__ import annotations
@@ -195,11 +195,15 @@ _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, 
 def _native_for(*tensors: Tensor) -> bool:
     """Whether the native kernels take these tensors: CPU ones, outside compilation and fake
     tensor modes (which need ops they can trace), when the native CPU backend loads (building it
-    on first use; where it cannot, the torch calls run)."""
+    on first use; where it cannot, the torch calls run) and no other backend is forced
+    (``use_backend("reference")`` runs no native code; under ``"triton"`` the CPU runs what a GPU
+    would)."""
     if any(tensor.device.type != "cpu" for tensor in tensors) or not _readable(tensors[0]):
         return False
     from snack import backends  # (imports snack.topology, which imports this module)
 
+    if backends.forced_backend() not in (None, "cpu"):
+        return False
     try:
         backends.get_backend("cpu")
     except backends.BackendUnavailableError:

@@ -30,6 +30,28 @@ def path(request, monkeypatch):
     return request.param
 
 
+def test_a_forced_backend_other_than_cpu_runs_the_torch_calls(monkeypatch):
+    """``use_backend("reference")`` runs no native code; under ``"triton"`` the CPU runs what a GPU
+    would."""
+    import snack
+
+    keys = torch.randint(0, 9, (5 * CHUNK + 7,), generator=torch.Generator().manual_seed(0))
+    native_results = positions_where(keys, ">=", 4), segment_pointer(keys.int(), 9)
+    with snack.use_backend("cpu"):
+        assert indexing._native_for(keys)
+
+    def no_native(*args):
+        raise AssertionError("a native index kernel ran under use_backend('reference')")
+
+    for name in ("positions_where", "segment_pointer", "flat_nonzero"):
+        monkeypatch.setattr(torch.ops.snack_cpu, name, no_native)
+    with snack.use_backend("reference"):
+        assert not indexing._native_for(keys)
+        assert torch.equal(positions_where(keys, ">=", 4), native_results[0])
+        assert torch.equal(segment_pointer(keys.int(), 9), native_results[1])
+    assert indexing._native_for(keys), "as before the block"
+
+
 def _reference_pointer(index, size):
     ptr = torch.zeros(size + 1, dtype=torch.int32)
     ptr[1:] = torch.bincount(index.to(torch.int64), minlength=size).cumsum(0)
