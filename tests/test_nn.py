@@ -267,8 +267,13 @@ def test_forward_rejects_bad_input():
     layer = SparseLinear(8, 4)
     with pytest.raises(ValueError, match=r"input must have shape \(\*, 8\), got \(2, 7\)"):
         layer(torch.randn(2, 7))
-    with pytest.raises(TypeError, match="input dtype torch.float64 does not match the layer's torch.float32"):
+    with pytest.raises(TypeError, match=r"input dtype torch.float64 does not match the layer's torch.float32; cast the "
+                       r"input \(x.to\(torch.float32\)\) or the layer \(layer.to\(torch.float64\)\)$"):  # fmt: skip
         layer(torch.randn(2, 8, dtype=torch.float64))
+    # the layer cannot hold integers: only the input's cast is suggested
+    only_the_input = r"input dtype torch.int64 does not match .* cast the input \(x.to\(torch.float32\)\)$"
+    with pytest.raises(TypeError, match=only_the_input):
+        layer(torch.ones(2, 8, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"got \(\)"):
         layer(torch.tensor(1.0))
     with pytest.raises(TypeError, match="expects a Tensor"):

@@ -378,9 +378,11 @@ class SparseLinear(nn.Module):
         x, cast_values, bias = autocast_inputs(input, values, bias)
         if x.dtype != cast_values.dtype:
             under = " under autocast" if cast_values is not values else ""
+            # a layer of integer (or complex) values is nothing the kernels compute: suggest none
+            or_the_layer = f" or the layer (layer.to({x.dtype}))" if x.dtype.is_floating_point else ""
             raise TypeError(
                 f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
-                f"the input (x.to({cast_values.dtype})) or the layer (layer.to({x.dtype}))"
+                f"the input (x.to({cast_values.dtype})){or_the_layer}"
             )
         return _sparse_linear(x, cast_values, topology, bias, values)
 
