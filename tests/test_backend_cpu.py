@@ -566,6 +566,31 @@ def test_processes_building_at_once_take_turns(tmp_path):
     assert sum("compiling native CPU kernels" in err for _, err, _ in results) == 1, [err for _, err, _ in results]
 
 
+def test_a_cache_where_no_lock_can_be_made_still_loads_its_build(tmp_path, monkeypatch):
+    """A read-only cache (shared, prebuilt) holding the build: nothing to build, so no lock needed.
+    (Tested through a lock that cannot be made: root, who runs CI, writes to read-only folders.)"""
+    # (a source of its own: cpp_extension names a second build of one name in a process
+    # <name>_v1.so, and test_an_unloadable_cached_library_is_rebuilt builds the one above)
+    (tmp_path / "kernels.cpp").write_text("extern \"C\" int snack_read_only_cache() { return 1; }\n")
+    monkeypatch.setattr(cpu, "_SOURCES", (tmp_path / "kernels.cpp",))
+    monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))
+    library = cpu.build()
+    assert library.exists()
+
+    class ReadOnly:
+        def __init__(self, path):
+            pass
+
+        def acquire(self):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cpu, "FileLock", ReadOnly)
+    assert cpu.build() == library
+    library.unlink()  # and without the build, the same cache is a clear error
+    with pytest.raises(cpu.BuildError, match="PermissionError.*the build directory is"):
+        cpu.build()
+
+
 def test_an_unusable_cache_directory_is_a_build_error(tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.touch()

@@ -112,7 +112,8 @@ def prune() -> list[Path]:
 
 def build(*, verbose: bool | None = None) -> Path:
     """Compile the kernels if the cache lacks them, load them, and return the library's path.
-    Processes building at once take turns (a file lock beside the build directory).
+    Processes building at once take turns (a file lock beside the build directory); from a cache
+    where no lock can be made (read-only), a build it holds is loaded all the same.
 
     ``verbose`` (default: the ``SNACK_BUILD_VERBOSE`` environment variable is set) shows the
     compiler's output.
@@ -131,6 +132,8 @@ def build(*, verbose: bool | None = None) -> Path:
         lock = FileLock(build_dir.with_name(f"{name}.lock"))
         lock.acquire()
     except OSError as error:
+        if (build_dir / f"{name}.so").exists():  # a read-only cache that holds the build: load it
+            return _load_or_build(name, flags, ldflags, build_dir, verbose)
         raise _build_error(error, build_dir) from error
     try:
         return _load_or_build(name, flags, ldflags, build_dir, verbose)
