@@ -570,7 +570,8 @@ def test_a_cache_where_no_lock_can_be_made_still_loads_its_build(tmp_path, monke
     """A read-only cache (shared, prebuilt) holding the build: nothing to build, so no lock needed.
     (Tested through a lock that cannot be made: root, who runs CI, writes to read-only folders.)"""
     # (a source of its own: cpp_extension names a second build of one name in a process
-    # <name>_v1.so, and test_an_unloadable_cached_library_is_rebuilt builds the one above)
+    # <name>_v1.so, and test_an_unloadable_cached_library_is_rebuilt builds the one-line source
+    # of the test above in this process)
     (tmp_path / "kernels.cpp").write_text("extern \"C\" int snack_read_only_cache() { return 1; }\n")
     monkeypatch.setattr(cpu, "_SOURCES", (tmp_path / "kernels.cpp",))
     monkeypatch.setenv("SNACK_CACHE_DIR", str(tmp_path / "cache"))

@@ -988,15 +988,16 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& ro
   return out;
 }
 
-// Whether spmm_backward runs fused for a batch of B rows of in_features of dtype. Fused, dX and dvalues take one pass over W's indices and values per batch
-// tile, against two (spmm_t's and sddmm's) apart; but fused keeps two (in, W) tiles in L2 (the
-// dX accumulator and x) where each kernel alone keeps one, so where L2 is small it may need
-// narrower tiles, hence more of them. It fuses when that still makes fewer passes; on a tie the
-// two kernels' wider tiles won. Measured (benchmarks/backward_fusion.txt: 1 MiB of L2 per core,
-// 2 threads, interleaved) at 4096² and 768×3072: batch 8 and 16, the same tiles either way, fused
-// 1.1-1.3x faster; 24, 32, 64 and 128 (fused: twice the tiles) mostly 0.6-0.9x the speed; 48
-// (16-wide tiles fused against 24-wide apart: 3 passes against 4) 1.2-1.5x, except at 4096²,
-// 90%: 0.74-0.78x. A layer with in = 768 fuses at every batch up to 128 (1.0-1.5x).
+// Whether spmm_backward runs fused for a batch of B rows of in_features of dtype. Fused, dX and
+// dvalues take one pass over W's indices and values per batch tile, against two (spmm_t's and
+// sddmm's) apart; but fused keeps two (in, W) tiles in L2 (the dX accumulator and x) where each
+// kernel alone keeps one, so where L2 is small it may need narrower tiles, hence more of them. It
+// fuses when that still makes fewer passes; on a tie the two kernels' wider tiles won. Measured
+// (benchmarks/backward_fusion.txt: 1 MiB of L2 per core, 2 threads, interleaved) at 4096² and
+// 768×3072: batch 8 and 16, the same tiles either way, fused 1.1-1.3x faster; 24, 32, 64 and 128
+// (fused: twice the tiles) mostly 0.6-0.9x the speed; 48 (16-wide tiles fused against 24-wide
+// apart: 3 passes against 4) 1.2-1.5x, except at 4096², 90%: 0.74-0.78x. A layer with in = 768
+// fuses at every batch up to 128 (1.0-1.5x).
 bool fuses_backward(int64_t B, int64_t in_features, at::ScalarType dtype) {
   TORCH_CHECK(B >= 0 && in_features >= 0, "snack_cpu.fuses_backward: batch and in_features must be >= 0, got ", B,
               " and ", in_features);
