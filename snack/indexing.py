@@ -18,14 +18,15 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "flat_nonzero", "inactive_positions", "merge_connections", "positions_where", "segment_pointer", "take_or_fill",
+    "flat_nonzero", "inactive_positions", "merge_connections", "native_for", "positions_where", "segment_pointer",
+    "take_or_fill",
 ]
 
 
 def flat_nonzero(mask: Tensor) -> Tensor:
     """``(count,)`` int64 positions of the true entries of a ``(n,)`` bool ``mask``, increasing:
     ``mask.nonzero().squeeze(1)``."""
-    if _native_for(mask):
+    if native_for(mask):
         return torch.ops.snack_cpu.flat_nonzero(mask)
     return mask.nonzero().squeeze(1)
 
@@ -45,7 +46,7 @@ def positions_where(keys: Tensor, comparison: str, bar: int | Tensor) -> Tensor:
         info = torch.iinfo(keys.dtype)
         if not info.min <= int(bar) <= info.max:  # (torch would wrap it around silently)
             raise ValueError(f"bar {int(bar)} is outside the range of the keys' dtype {keys.dtype}")
-        if _native_for(keys):
+        if native_for(keys):
             return torch.ops.snack_cpu.positions_where(keys, comparison, int(bar))
     return flat_nonzero(compare(keys, bar))
 
@@ -70,7 +71,7 @@ def inactive_positions(row: Tensor, col: Tensor, in_features: int, ranks: Tensor
     Raises:
         RuntimeError: ranks that decrease or start below 0 (not checked in compiled code).
     """
-    if _native_for(row, col, ranks):
+    if native_for(row, col, ranks):
         return torch.ops.snack_cpu.inactive_positions(row, col, in_features, ranks)
     if _readable(ranks):
         _check_increasing("inactive_positions", "ranks", ranks, strictly=False)
@@ -88,7 +89,7 @@ def segment_pointer(index: Tensor, size: int) -> Tensor:
     """``(size + 1,)`` int32 pointer array of an ``(n,)`` int32 ``index`` with entries in
     ``[0, size)``: the entries equal to ``i`` number ``ptr[i + 1] - ptr[i]`` (a CSC column pointer
     from the columns of the connections)."""
-    if _native_for(index):
+    if native_for(index):
         return torch.ops.snack_cpu.segment_pointer(index, size)
     ptr = torch.zeros(size + 1, dtype=torch.int32, device=index.device)
     ptr[1:] = torch.bincount(index, minlength=size).cumsum(0)
@@ -119,7 +120,7 @@ def merge_connections(
             checked in compiled code).
     """
     out_features, in_features = shape
-    if _native_for(row, col, keep, grow):
+    if native_for(row, col, keep, grow):
         return torch.ops.snack_cpu.merge_connections(row, col, keep, grow, out_features, in_features)
     if _readable(grow):
         _check_increasing("merge_connections", "grow positions", grow, strictly=True)
@@ -156,7 +157,7 @@ def take_or_fill(values: Tensor, src: Tensor, fill: float) -> Tensor:
     :func:`merge_connections` returns): a parameter or its optimizer state carried over to a
     rewiring's connections. An entry of ``src`` outside ``[-1, m)`` raises ``IndexError`` (not
     checked in compiled code)."""
-    if _native_for(values, src):
+    if native_for(values, src):
         return torch.ops.snack_cpu.take_or_fill(values, src, fill)
     if _readable(src):
         outside = flat_nonzero((src < -1) | (src >= values.numel()))
@@ -192,7 +193,7 @@ def _readable(tensor: Tensor) -> bool:
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
-def _native_for(*tensors: Tensor) -> bool:
+def native_for(*tensors: Tensor) -> bool:
     """Whether the native kernels take these tensors: CPU ones, outside compilation and fake
     tensor modes (which need ops they can trace), when the native CPU backend loads (building it
     on first use; where it cannot, the torch calls run) and no other backend is forced

@@ -473,6 +473,8 @@ _OTHER_ISA_CHECK = """
 import torch
 from snack.backends import cpu, reference
 from snack.backends.cpu import native
+from snack.dst import prune_grow
+from snack.ranking import ordering_keys
 from snack.topology import Topology, TopologyTensors, random_coo
 assert torch.backends.cpu.get_cpu_capability() == "{isa}", torch.backends.cpu.get_cpu_capability()
 assert "_{isa_lower}_" in str(cpu.build())
@@ -495,6 +497,15 @@ for threads in (1, 2):
                 close(dx, reference.spmm_t(dy, values, t))
                 close(dvalues, reference.sddmm(dy, x, t))
                 close(dbias, dy.sum(0))
+                # RigL's gradient scores (grow_scores.cpp), exact on integer records
+                xi, dyi = x.round(), dy.round()
+                scores = prune_grow._GradientScores(xi, dyi, topo)
+                assert scores.native
+                for bar in (0, int(torch.median(ordering_keys((dyi.t() @ xi).abs())))):
+                    scores.native = True
+                    got = scores.above(1, out_features, bar, False)
+                    scores.native = False
+                    assert all(torch.equal(a, b) for a, b in zip(got, scores.above(1, out_features, bar, False)))
 print("ok")
 """
 

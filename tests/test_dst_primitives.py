@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import snack
+import snack.dst.prune_grow
 from snack.dst import DropSchedule, cubic_sparsity, gradient_grow, magnitude_drop, random_grow, rewire
 from snack.dst.prune_grow import linear_index
 from snack.sampling import sorted_sample
@@ -128,8 +129,29 @@ def test_random_grow_refuses_more_than_the_inactive_positions():
         random_grow(topo, 11, torch.Generator())
 
 
+@pytest.fixture(params=["native", "torch"])
+def score_path(request, monkeypatch):
+    """Run a gradient_grow test on the native CPU kernel and on the torch calls (what a GPU, a
+    batch above 128 or a forced reference backend runs)."""
+    if request.param == "torch":
+        monkeypatch.setattr(snack.dst.prune_grow, "_NATIVE_MAX_BATCH", -1)
+    return request.param
+
+
+def _scored_natively(x, dy, topo) -> bool:
+    return snack.dst.prune_grow._GradientScores(x, dy, topo).native
+
+
+def test_gradient_grow_scores_natively_on_the_cpu_up_to_batch_128():
+    topo = _topology(12, 9, 0.6)
+    assert _scored_natively(torch.randn(128, 9), torch.randn(128, 12), topo)
+    assert not _scored_natively(torch.randn(129, 9), torch.randn(129, 12), topo)  # MKL's product is as fast
+    with snack.use_backend("reference"):
+        assert not _scored_natively(torch.randn(3, 9), torch.randn(3, 12), topo)
+
+
 @pytest.mark.parametrize("block_elements", [1, 9, 40, 1 << 20])
-def test_gradient_grow_matches_a_dense_reference(block_elements):
+def test_gradient_grow_matches_a_dense_reference(block_elements, score_path):
     torch.manual_seed(0)
     topo = _topology(12, 9, 0.6)
     x, dy = torch.randn(7, 9, dtype=torch.float64), torch.randn(7, 12, dtype=torch.float64)
@@ -141,7 +163,7 @@ def test_gradient_grow_matches_a_dense_reference(block_elements):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gradient_grow_scores_16_bit_records_in_float32(dtype):
+def test_gradient_grow_scores_16_bit_records_in_float32(dtype, score_path):
     """Records of a float16 or bfloat16 layer: Σ_b dy·x was formed in their dtype, where float16
     overflows at 65504 (every large score inf, the picks arbitrary) and bfloat16 rounds close
     scores together. Scored in float32, the picks are those of the exact gradient."""
@@ -155,9 +177,9 @@ def test_gradient_grow_scores_16_bit_records_in_float32(dtype):
     assert torch.equal(gradient_grow(x, dy, topo, k), _top_k_positions(dense, k))
 
 
-@given(st.integers(1, 12), st.integers(1, 12), st.floats(0.0, 0.95), st.integers(1, 60), st.data())
-@settings(max_examples=60, deadline=None)
-def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity, block_elements, data):
+@given(st.integers(1, 12), st.integers(1, 12), st.floats(0.0, 0.95), st.integers(1, 60), st.booleans(), st.data())
+@settings(max_examples=80, deadline=None)
+def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity, block_elements, native, data):
     """Integer records make most scores equal: the picks are the k best by (score, then lowest
     position), whatever the blocks (one row up to the whole matrix) and however often the
     candidates are cut back to the best k."""
@@ -171,11 +193,17 @@ def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity,
     dy = torch.randint(-2, 3, (3, out), generator=generator).double()
     dense = (dy.t() @ x).abs().reshape(-1)
     dense[linear_index(topo)] = -1
-    assert torch.equal(gradient_grow(x, dy, topo, k, block_elements=block_elements), _top_k_positions(dense, k))
+    saved = snack.dst.prune_grow._NATIVE_MAX_BATCH
+    snack.dst.prune_grow._NATIVE_MAX_BATCH = saved if native else -1  # (hypothesis: no monkeypatch fixture)
+    try:
+        got = gradient_grow(x, dy, topo, k, block_elements=block_elements)
+    finally:
+        snack.dst.prune_grow._NATIVE_MAX_BATCH = saved
+    assert torch.equal(got, _top_k_positions(dense, k))
 
 
 @pytest.mark.parametrize("sampled_rows_dominate", [False, True])
-def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows_dominate, monkeypatch):
+def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows_dominate, monkeypatch, score_path):
     """Scores below a bar predicted from evenly strided rows are skipped. Rows whose gradients
     dwarf the others exactly at the sampled ones make the bar too high: fewer than k scores
     reach it, and the blocks are scored again without it. Either way the picks are exact."""
@@ -193,6 +221,23 @@ def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows
     assert torch.equal(gradient_grow(x, dy, topo, k, block_elements=400), _top_k_positions(dense, k))
     assert bars[0] != 0  # the sampled bar
     assert (bars[1:] == [0]) == sampled_rows_dominate  # the second pass, without a bar
+
+
+@pytest.mark.parametrize("out, in_, sampled", [(300, 256, True), (200, 256, False)])
+def test_gradient_grow_samples_a_bar_for_a_layer_of_one_block_from_65536_scores(out, in_, sampled, monkeypatch):
+    """Without a bar every free score of the first blocks enters the candidates, and ranking them
+    costs more than the sample (768×3072 at 90%: 52-66 ms against 11-20 ms)."""
+    torch.manual_seed(0)
+    topo = _topology(out, in_, 0.9)
+    x, dy = torch.randn(8, in_, dtype=torch.float64), torch.randn(8, out, dtype=torch.float64)
+    bars = []
+    real = snack.dst.prune_grow._best_above
+    monkeypatch.setattr(snack.dst.prune_grow, "_best_above", lambda *a: bars.append(a[-1]) or real(*a))
+    k = 2000
+    dense = (dy.t() @ x).abs().reshape(-1)
+    dense[linear_index(topo)] = -1
+    assert torch.equal(gradient_grow(x, dy, topo, k), _top_k_positions(dense, k))
+    assert (bars[0] != 0) == sampled
 
 
 def _top_k_positions(scores, k):
@@ -362,7 +407,7 @@ def test_rewire_under_inference_mode_leaves_an_optimizer_that_can_step():
     opt.step()  # in-place updates of the remapped state
 
 
-def test_gradient_grow_ranks_nan_first_without_losing_larger_scores_of_later_blocks():
+def test_gradient_grow_ranks_nan_first_without_losing_larger_scores_of_later_blocks(score_path):
     # |dW| = [[nan, 0.1], [(active), 0.9]], one row per block: a kept NaN made the running k-th
     # best NaN, and every later finite score failed the prefilter
     topo = Topology(torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), (2, 2))

@@ -1,7 +1,7 @@
 """snack.indexing: the native CPU index kernels against the torch calls they replace.
 
 Every function is checked on the native path (CPU tensors, the native backend loaded) and on the
-torch path it falls back to (forced here by patching ``_native_for``), on sizes that cross the
+torch path it falls back to (forced here by patching ``native_for``), on sizes that cross the
 kernels' chunk boundaries (65536 entries) and on the edge cases: empty inputs, all false/true,
 full and empty layers, repeated ranks.
 """
@@ -24,9 +24,9 @@ CHUNK = 1 << 16  # index_ops.cpp's kMinChunk
 def path(request, monkeypatch):
     """Run a test on each path; the native one must really be taken on the CPU."""
     if request.param == "torch":
-        monkeypatch.setattr(indexing, "_native_for", lambda *tensors: False)
+        monkeypatch.setattr(indexing, "native_for", lambda *tensors: False)
     else:
-        assert indexing._native_for(torch.zeros(1))
+        assert indexing.native_for(torch.zeros(1))
     return request.param
 
 
@@ -38,7 +38,7 @@ def test_a_forced_backend_other_than_cpu_runs_the_torch_calls(monkeypatch):
     keys = torch.randint(0, 9, (5 * CHUNK + 7,), generator=torch.Generator().manual_seed(0))
     native_results = positions_where(keys, ">=", 4), segment_pointer(keys.int(), 9)
     with snack.use_backend("cpu"):
-        assert indexing._native_for(keys)
+        assert indexing.native_for(keys)
 
     def no_native(*args):
         raise AssertionError("a native index kernel ran under use_backend('reference')")
@@ -46,10 +46,10 @@ def test_a_forced_backend_other_than_cpu_runs_the_torch_calls(monkeypatch):
     for name in ("positions_where", "segment_pointer", "flat_nonzero"):
         monkeypatch.setattr(torch.ops.snack_cpu, name, no_native)
     with snack.use_backend("reference"):
-        assert not indexing._native_for(keys)
+        assert not indexing.native_for(keys)
         assert torch.equal(positions_where(keys, ">=", 4), native_results[0])
         assert torch.equal(segment_pointer(keys.int(), 9), native_results[1])
-    assert indexing._native_for(keys), "as before the block"
+    assert indexing.native_for(keys), "as before the block"
 
 
 def _reference_pointer(index, size):
@@ -337,7 +337,7 @@ def test_the_torch_calls_run_inside_fake_tensor_mode_and_compiled_code():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        assert not indexing._native_for(torch.empty(3))
+        assert not indexing.native_for(torch.empty(3))
 
     @torch.compile(backend="eager", fullgraph=True)  # (no graph break: a native op would be one)
     def free(row, col, ranks):
