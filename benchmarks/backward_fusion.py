@@ -12,14 +12,13 @@ sample by sample in one process (the lead-in of :class:`snack.bench.timing.Timer
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 import snack
 from snack.backends.cpu import native
-from snack.bench.provenance import machine_line, utc_stamp
+from snack.bench.report import ResultLines, out_argument
 from snack.bench.timing import interleaved_medians
 
 SHAPES = [(4096, 4096), (768, 3072), (3072, 768)]  # (out, in)
@@ -30,18 +29,10 @@ OUT = Path(__file__).with_name("backward_fusion.txt")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the results file (default {OUT})")
-    args = parser.parse_args()
+    out = out_argument(__doc__, OUT)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    lines: list[str] = []
-
-    def emit(line: str) -> None:  # the results file's lines, shown as they come
-        lines.append(line)
-        print(line, flush=True)
-
-    emit(f"{utc_stamp()} · {machine_line(cpu)}")
+    emit = ResultLines(cpu)
     emit(
         f"native spmm_backward (dX and dvalues, float32), medians of {SAMPLES} interleaved samples; "
         "two/one = (two passes) / (one pass): above 1 the fused pass is faster"
@@ -65,7 +56,7 @@ def main() -> None:
                     f"| {out_features}×{in_features} | {sparsity} | {batch} | {ms['one']:.2f} | {ms['two']:.2f} "
                     f"| {ms['two'] / ms['one']:.2f} | {default} ({ms['default']:.2f} ms) |"
                 )
-    args.out.write_text("\n".join(lines) + "\n")
+    emit.save(out)
 
 
 if __name__ == "__main__":

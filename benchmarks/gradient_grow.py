@@ -18,14 +18,13 @@ All three return the same positions on these inputs (checked here before timing)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from pathlib import Path
 
 import torch
 
 import snack
-from snack.bench.provenance import machine_line, utc_stamp
+from snack.bench.report import ResultLines, out_argument
 from snack.bench.timing import interleaved_medians
 from snack.dst import prune_grow
 
@@ -63,18 +62,10 @@ def _grow(settings: dict, x, dy, topology, k):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT, help=f"the results file (default {OUT})")
-    args = parser.parse_args()
+    out = out_argument(__doc__, OUT)
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    lines: list[str] = []
-
-    def emit(line: str) -> None:  # the results file's lines, shown as they come
-        lines.append(line)
-        print(line, flush=True)
-
-    emit(f"{utc_stamp()} · {machine_line(cpu)}")
+    emit = ResultLines(cpu)
     emit(f"gradient_grow, float32, k = {DROP_FRACTION:.0%} of the connections, medians of {SAMPLES} samples")
     emit("")
     names = list(VARIANTS)
@@ -93,7 +84,7 @@ def main() -> None:
             f"| {out_features}×{in_features} | {sparsity} | {batch} | {' | '.join(f'{ms[n]:.1f}' for n in names)} "
             f"| {ms[names[0]] / ms['native']:.2f} |"
         )
-    args.out.write_text("\n".join(lines) + "\n")
+    emit.save(out)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,14 @@ def test_gradient_grow_breaks_ties_by_position_across_blocks(out, in_, sparsity,
     assert torch.equal(got, _top_k_positions(dense, k))
 
 
+def _bars_tried(monkeypatch) -> list:
+    """The bars gradient_grow will try (its passes over the blocks), in order: 0 is no bar."""
+    bars = []
+    real = snack.dst.prune_grow._best_above
+    monkeypatch.setattr(snack.dst.prune_grow, "_best_above", lambda *a: bars.append(a[-1]) or real(*a))
+    return bars
+
+
 @pytest.mark.parametrize("sampled_rows_dominate", [False, True])
 def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows_dominate, monkeypatch, score_path):
     """Scores below a bar predicted from evenly strided rows are skipped. Rows whose gradients
@@ -212,9 +220,7 @@ def test_gradient_grow_checks_the_bar_it_reads_off_a_sample_of_rows(sampled_rows
     x, dy = torch.randn(4, 50, dtype=torch.float64), torch.randn(4, 64, dtype=torch.float64)
     if sampled_rows_dominate:
         dy[:, ::8] *= 1000  # 8 blocks of 8 rows: the sample is rows 0, 8, 16, ...
-    bars = []
-    real = snack.dst.prune_grow._best_above
-    monkeypatch.setattr(snack.dst.prune_grow, "_best_above", lambda *a: bars.append(a[-1]) or real(*a))
+    bars = _bars_tried(monkeypatch)
     k = 400
     dense = (dy.t() @ x).abs().reshape(-1)
     dense[linear_index(topo)] = -1
@@ -230,9 +236,7 @@ def test_gradient_grow_samples_a_bar_for_a_layer_of_one_block_from_65536_scores(
     torch.manual_seed(0)
     topo = _topology(out, in_, 0.9)
     x, dy = torch.randn(8, in_, dtype=torch.float64), torch.randn(8, out, dtype=torch.float64)
-    bars = []
-    real = snack.dst.prune_grow._best_above
-    monkeypatch.setattr(snack.dst.prune_grow, "_best_above", lambda *a: bars.append(a[-1]) or real(*a))
+    bars = _bars_tried(monkeypatch)
     k = 2000
     dense = (dy.t() @ x).abs().reshape(-1)
     dense[linear_index(topo)] = -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -15,7 +16,10 @@ from snack.bench.harness import MemoryRecord, TimeRecord, select
 from snack.bench.provenance import machine_line, utc_stamp
 from snack.bench.timing import interleaved_medians
 
-__all__ = ["compare_and_save", "format_comparison", "format_memory", "format_table", "write_csv", "write_json", "write_plot"]
+__all__ = [
+    "ResultLines", "compare_and_save", "format_comparison", "format_memory", "format_table", "out_argument",
+    "write_csv", "write_json", "write_plot",
+]
 
 
 def _size_label(out_features: int, in_features: int) -> str:
@@ -171,3 +175,27 @@ def compare_and_save(
     text = format_comparison(setting, unit, tuple(variants), medians, list(calls), digits)
     print(text, end="")
     out.write_text(text)
+
+
+def out_argument(doc: str, default: Path) -> Path:
+    """The results file of a benchmark script: its ``--out`` argument (``default`` if not given);
+    ``--help`` shows the first line of the script's docstring ``doc``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default, help=f"the results file (default {default})")
+    return parser.parse_args().out
+
+
+class ResultLines:
+    """A results file's lines, printed as they come (a long run shows its progress); call with each
+    line, then :meth:`save`. The first line dates the run and names the machine ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.lines: list[str] = []
+        self(f"{utc_stamp()} · {machine_line(device)}")
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def save(self, path: Path) -> None:
+        path.write_text("\n".join(self.lines) + "\n")
