@@ -116,7 +116,7 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
 
 
 # Largest batch whose scores the native kernel forms (torch.ops.snack_cpu.gradient_scores_above):
-# from about 256 MKL's matrix product is as fast, and it keeps larger batches.
+# MKL's matrix product was as fast at 128 and faster from 192 (4096², 90% and 99%), and keeps those.
 _NATIVE_MAX_BATCH = 128
 
 
@@ -124,11 +124,10 @@ class _GradientScores:
     """``|∂L/∂W|`` of chosen rows as ordering keys (:func:`snack.ranking.ordering_keys`), the
     active positions -1 (below every score).
 
-    On the CPU, for a batch up to ``_NATIVE_MAX_BATCH``, :meth:`above` runs the native kernel,
-    which forms a few rows of scores at a time and keeps only those reaching the bar (a 4096²
-    layer, batch 32: 30 ms for what the torch calls here took 60-75 ms, see
-    ``snack/backends/cpu/grow_scores.cpp``). Its sums may differ from torch's matrix product in the
-    last bit (another summation order)."""
+    On the CPU, for a batch up to ``_NATIVE_MAX_BATCH``, :meth:`above` runs the native kernel
+    (``snack/backends/cpu/grow_scores.cpp``), which forms a few rows of scores at a time and keeps
+    only those reaching the bar. Its sums may differ from torch's matrix product in the last bit
+    (another summation order)."""
 
     def __init__(self, x: Tensor, dy: Tensor, topology: Topology):
         # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores,
@@ -182,7 +181,8 @@ class _GradientScores:
 
 # A layer of fewer scores is ranked without a sampled bar unless it spans 4 blocks: the sample's
 # extra calls cost more than ranking all its scores (batch 32: 256×100 took 1.0 ms without one,
-# 1.5 ms with; 512×512 at 90% 10.9 ms without, 4.2 ms with; 768×3072 52-66 ms without, 11-20 ms with).
+# 1.5 ms with; at 90%, 512×512 6.9 ms without, 4.9 ms with, 768×3072 38 ms without, 21 ms with,
+# benchmarks/gradient_grow.txt).
 _SAMPLE_FROM_SCORES = 1 << 16
 
 
