@@ -12,6 +12,7 @@ import runpy
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -575,6 +576,24 @@ def test_processes_building_at_once_take_turns(tmp_path):
     assert [code for _, _, code in results] == [0, 0], [err[-2000:] for _, err, _ in results]
     assert results[0][0] == results[1][0], "both loaded the same library"
     assert sum("compiling native CPU kernels" in err for _, err, _ in results) == 1, [err for _, err, _ in results]
+
+
+def test_a_build_killed_mid_compile_does_not_block_the_next(tmp_path):
+    """cpp_extension's own lock file ("baton"), left in the build directory by a build killed while
+    compiling, made every later build wait on it forever, silently."""
+    (tmp_path / "kernels.cpp").write_text("extern \"C\" int snack_after_a_killed_build() { return 1; }\n")
+    script = (
+        "import sys; from pathlib import Path; from snack.backends import cpu\n"
+        f"cpu._SOURCES = (Path({str(tmp_path / 'kernels.cpp')!r}),)\n"
+        "name, _, _, build_dir = cpu._build_spec()\n"
+        "build_dir.mkdir(parents=True)\n"
+        "(build_dir / 'lock').touch()  # what the killed build left\n"
+        "print(cpu.build())\n"
+    )
+    env = {**os.environ, "SNACK_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Path(result.stdout.strip()).stat().st_size > 1000
 
 
 def test_a_cache_where_no_lock_can_be_made_still_loads_its_build(tmp_path, monkeypatch):

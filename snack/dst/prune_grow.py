@@ -136,10 +136,11 @@ class _GradientScores:
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x, self.dy_t = x.to(self.dtype), dy.t()
         self.topology = topology
-        self.rowptr = topology.rowptr.tolist()
         self.native = x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
         if self.native:  # (contiguous copies: B·(in + out) elements)
             self.x, self.dy_t = self.x.contiguous(), self.dy_t.to(self.dtype).contiguous()
+        else:  # (of_rows' block bounds, read once rather than two .item() per block)
+            self.rowptr = topology.rowptr.tolist()
 
     def above(self, first: int, last: int, bar: int | Tensor, strict: bool) -> tuple[Tensor, Tensor]:
         """``(keys, positions)`` of the free positions of rows ``first .. last - 1`` whose key is at

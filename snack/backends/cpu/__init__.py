@@ -157,6 +157,10 @@ def _load_or_build(name: str, flags: list[str], ldflags: list[str], build_dir: P
 
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
+        # cpp_extension takes turns through a "baton" file of its own, which a build killed mid-compile
+        # leaves behind; every later build then waits on it forever, silently. Under build()'s lock no
+        # other snack process is compiling here, so a baton found now is such a leftover.
+        (build_dir / "lock").unlink(missing_ok=True)
         cpp_extension.load(
             name=name,
             sources=[str(source) for source in _SOURCES],
