@@ -6,6 +6,8 @@ Positions are *linear* indices ``r · in_features + c`` (int64). Nothing here al
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -139,8 +141,6 @@ class _GradientScores:
         self.native = x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
         if self.native:  # (contiguous copies: B·(in + out) elements)
             self.x, self.dy_t = self.x.contiguous(), self.dy_t.to(self.dtype).contiguous()
-        else:  # (of_rows' block bounds, read once rather than two .item() per block)
-            self.rowptr = topology.rowptr.tolist()
 
     def above(self, first: int, last: int, bar: int | Tensor, strict: bool) -> tuple[Tensor, Tensor]:
         """``(keys, positions)`` of the free positions of rows ``first .. last - 1`` whose key is at
@@ -153,10 +153,16 @@ class _GradientScores:
         entering = positions_where(keys, ">" if strict else ">=", bar)
         return keys.index_select(0, entering), entering + first * self.x.shape[1]
 
+    @functools.cached_property
+    def _rowptr(self) -> list[int]:
+        """The row pointer as a list: :meth:`of_rows`' block bounds, read once rather than with two
+        ``.item()`` per block (and not at all on the native path)."""
+        return self.topology.rowptr.tolist()
+
     def of_rows(self, first: int, last: int) -> Tensor:
         """``((last - first) · in,)`` keys of rows ``first .. last - 1``."""
         keys = self._keys(self.dy_t[first:last])
-        lo, hi = self.rowptr[first], self.rowptr[last]
+        lo, hi = self._rowptr[first], self._rowptr[last]
         row, col = self.topology.row[lo:hi].to(torch.int64), self.topology.col[lo:hi]
         keys.index_fill_(0, (row - first) * self.x.shape[1] + col, -1)
         return keys
