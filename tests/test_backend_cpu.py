@@ -507,6 +507,20 @@ for threads in (1, 2):
                     got = scores.above(1, out_features, bar, False)
                     scores.native = False
                     assert all(torch.equal(a, b) for a, b in zip(got, scores.above(1, out_features, bar, False)))
+# take_or_fill's vector gathers (4- and 8-byte elements) and the scalar loop after them
+for dtype in (torch.float32, torch.int64, torch.bfloat16):
+    for n in (0, 7, 1 << 17):
+        values = (torch.randn(n + 3) * 10).to(dtype)
+        src = torch.randint(-1, n + 3, (n,))
+        expected = torch.where(src >= 0, values[src.clamp(min=0)], torch.ones((), dtype=dtype))
+        assert torch.equal(torch.ops.snack_cpu.take_or_fill(values, src, 1), expected)
+src = torch.zeros(1 << 17, dtype=torch.int64)
+src[[70001, 70003]] = -5
+try:
+    torch.ops.snack_cpu.take_or_fill(torch.zeros(7), src, 0.0)
+    raise AssertionError("src out of range was not refused")
+except IndexError as error:
+    assert "src[70001] = -5" in str(error), error
 print("ok")
 """
 

@@ -326,11 +326,14 @@ def test_take_or_fill_from_nothing_is_all_fill(path):
 
 
 @pytest.mark.parametrize("bad", [-2, 7])
-def test_take_or_fill_refuses_src_out_of_range(path, bad):
+@pytest.mark.parametrize("at", [0, 2 * CHUNK + 1, 3 * CHUNK - 1], ids=["first", "inside", "last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_take_or_fill_refuses_src_out_of_range(path, bad, at, dtype):
+    # (the native kernel gathers 8 entries at a time: the first bad one of a vector is named)
     src = torch.zeros(3 * CHUNK, dtype=torch.int64)
-    src[2 * CHUNK + 1] = bad
-    with pytest.raises(IndexError, match=rf"src\[{2 * CHUNK + 1}\] = {bad} is outside \[-1, 7\)"):
-        take_or_fill(torch.zeros(7), src, 0.0)
+    src[[at, min(at + 3, 3 * CHUNK - 1)]] = bad
+    with pytest.raises(IndexError, match=rf"src\[{at}\] = {bad} is outside \[-1, 7\)"):
+        take_or_fill(torch.zeros(7, dtype=dtype), src, 0.0)
 
 
 def test_the_torch_calls_run_inside_fake_tensor_mode_and_compiled_code():
