@@ -4,11 +4,11 @@ Usage: ``.venv/bin/python benchmarks/dst_update.py`` (about 30 s); writes
 ``benchmarks/dst_update.txt``, which the README quotes. ``--device cuda --out FILE`` measures on a
 GPU (``benchmarks/gpu_check.sh`` does).
 
-Each case is one SparseLinear trained with Adam at batch 32: a plain training step (forward,
-backward, optimizer step), and the same step followed by an update (``dst.step()`` with
-``update_every=1``, replacing a constant 30% of the connections, RigL's default fraction). The
-update's cost is the difference, also given in plain training steps: with ``update_every=N`` an
-update adds that many steps' worth of time every N steps. The three variants run in one process,
+Each case is one SparseLinear trained with Adam (``fused=True``, as the README advises) at batch
+32: a plain training step (forward, backward, optimizer step), and the same step followed by an
+update (``dst.step()`` with ``update_every=1``, replacing a constant 30% of the connections,
+RigL's default fraction). The update's cost is the difference, also given in plain training
+steps: with ``update_every=N`` an update adds that many steps' worth of time every N steps. The three variants run in one process,
 interleaved sample by sample, with the lead-in of :class:`snack.bench.timing.Timer`; the figures
 are medians over the samples.
 """
@@ -32,7 +32,7 @@ OUT = Path(__file__).with_name("dst_update.txt")
 def _variant(out_features: int, in_features: int, sparsity: float, algorithm, device: torch.device):
     """One training step of a fresh layer (and its update by ``algorithm``, unless ``None``)."""
     layer = snack.SparseLinear(in_features, out_features, sparsity=sparsity, device=device)
-    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3, fused=True)
     dst = None
     if algorithm is not None:
         dst = algorithm(

