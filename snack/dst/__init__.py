@@ -6,7 +6,7 @@ ever built, and RigL forms its gradient scores in blocks of at most 2**20 entrie
 gradient only for a layer that small). Usage::
 
     model = snack.sparsify(net, sparsity=0.9, distribution="erk")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=100, total_steps=T)
     for x, y in data:
         loss = loss_fn(model(x), y)
