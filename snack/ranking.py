@@ -57,6 +57,12 @@ def _k_extreme_positions(keys: Tensor, k: int, *, largest: bool) -> Tensor:
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=keys.device)
     kth = kth_largest(keys, k if largest else n - k + 1)
+    # Without ties at the k-th key (always, for distinct keys) the keys reaching it are the answer:
+    # one pass, where the mask, its count, the ties and the mask's positions took four (the drop of
+    # 503K of 1.7M weights' keys: 14.3 against 19.7 ms, interleaved).
+    reaching = positions_where(keys, ">=" if largest else "<=", kth)
+    if reaching.numel() == k:
+        return reaching
     chosen = keys > kth if largest else keys < kth
     ties = positions_where(keys, "==", kth)[: k - int(chosen.sum())]  # the lowest positions
     chosen.index_fill_(0, ties, True)

@@ -26,9 +26,14 @@ def test_k_extreme_positions_pick_what_a_stable_sort_picks(values, data):
         assert torch.equal(got, _stable_reference(keys, k, largest=largest))
 
 
-def test_k_extreme_positions_of_large_inputs():
-    # beyond the sizes hypothesis draws: ties spread over a million keys
-    keys = torch.randint(0, 1000, (1 << 20,), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("distinct", [False, True], ids=["ties", "distinct"])
+def test_k_extreme_positions_of_large_inputs(distinct):
+    # beyond the sizes hypothesis draws: ties spread over a million keys, or none (one pass)
+    generator = torch.Generator().manual_seed(0)
+    if distinct:
+        keys = torch.randperm(1 << 20, generator=generator)
+    else:
+        keys = torch.randint(0, 1000, (1 << 20,), generator=generator)
     for k in (1, 777, 1 << 19):
         assert torch.equal(k_largest_positions(keys, k), _stable_reference(keys, k, largest=True))
         assert torch.equal(k_smallest_positions(keys, k), _stable_reference(keys, k, largest=False))
