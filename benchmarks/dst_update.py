@@ -8,9 +8,9 @@ Each case is one SparseLinear trained with Adam (``fused=True``, as the README a
 32: a plain training step (forward, backward, optimizer step), and the same step followed by an
 update (``dst.step()`` with ``update_every=1``, replacing a constant 30% of the connections,
 RigL's default fraction). The update's cost is the difference, also given in plain training
-steps: with ``update_every=N`` an update adds that many steps' worth of time every N steps. The three variants run in one process,
-interleaved sample by sample, with the lead-in of :class:`snack.bench.timing.Timer`; the figures
-are medians over the samples.
+steps: with ``update_every=N`` an update adds that many steps' worth of time every N steps. The
+three variants run in one process, interleaved sample by sample, with the lead-in of
+:class:`snack.bench.timing.Timer`; the figures are medians over the samples.
 """
 
 from __future__ import annotations

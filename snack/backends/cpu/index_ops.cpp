@@ -407,8 +407,8 @@ inline const T* choose(bool first, const T* a, const T* b) {
 // take_or_fill's entries [i, end) of 4- or 8-byte elements, eight (AVX-512) or four (AVX2) at a
 // time by masked gathers: the new connections' lanes read nothing and keep the fill. Returns the
 // entry the scalar loop goes on from: the rest of the run, or a vector holding an entry outside
-// [-1, m), which the scalar loop then finds. (2.1x the scalar loop's speed on 1.7M float32 entries,
-// 30% new, AVX-512.)
+// [-1, m), which the scalar loop then finds. On 1.7M float32 entries, 30% new, two threads:
+// 3.4-3.6 ms against the scalar loop's 6.0-6.5 on AVX-512, 3.8-4.4 against 4.7-6.0 on AVX2.
 template <typename Bits>
 int64_t gather_vectors(const Bits* values, int64_t m, const int64_t* src, int64_t i, int64_t end, Bits fill,
                        Bits* out) {
