@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,21 @@ TOLERANCE = {
     torch.float16: (2e-3, 1e-2),
     torch.bfloat16: (2e-2, 5e-2),
 }
+
+
+# The batch-1 kernels' ways of reaching the entries their columns pick, on this build (AVX-512
+# builds have two, which must agree bit for bit; others one, None).
+GATHER_MODES_HERE = list(native.GATHER_MODES) if native.gather_mode() else [None]
+
+
+@pytest.fixture(params=GATHER_MODES_HERE, ids=str)
+def gather_mode(request):
+    before = native.gather_mode()
+    if request.param:
+        native.set_gather_mode(request.param)
+    yield request.param
+    if before:
+        native.set_gather_mode(before)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -143,17 +159,55 @@ def test_odd_shapes(op, shape, sparsity, threads):
         assert_matches_reference(op, random_topology(*shape, sparsity), batch, torch.float64)
 
 
-@pytest.mark.parametrize("op", ["spmm_t", "spmm_backward"])
+@pytest.mark.parametrize("op", ["spmm", "spmm_t", "spmm_backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_batch_one_scatter_covers_every_row_length(op, dtype, threads):
-    # the batch-1 backward handles a row sixteen non-zeros at a time with a masked remainder:
-    # row r holds r non-zeros (0 to 40: empty, partial, whole and several vectors), at columns
-    # spread over the row so that consecutive rows scatter into overlapping columns
+def test_batch_one_kernels_cover_every_row_length(op, dtype, threads, gather_mode):
+    # the batch-1 kernels handle a row sixteen non-zeros at a time with a masked remainder
+    assert_matches_reference(op, every_row_length_topology(), 1, dtype)
+
+
+def every_row_length_topology() -> Topology:
+    """Row r holds r non-zeros (0 to 40: empty, partial, whole and several 16-lane vectors), at
+    columns spread over the row so that consecutive rows scatter into overlapping columns."""
     row = torch.cat([torch.full((r,), r, dtype=torch.int32) for r in range(41)])
     col = torch.cat([(torch.arange(r) * 7 + r) % 48 for r in range(41)]).int()
     order = torch.argsort(row.long() * 48 + col.long())
-    topo = Topology(row[order], col[order], (41, 48))
-    assert_matches_reference(op, topo, 1, dtype)
+    return Topology(row[order], col[order], (41, 48))
+
+
+def batch_one_kernels(topo: Topology, dtype: torch.dtype, seed: int = 0) -> dict[str, tuple[Tensor, ...]]:
+    """Every batch-1 kernel's outputs on random inputs: the forward with 32-bit columns and (up to
+    65536 inputs) 16-bit ones, spmm_t, and the fused backward with the bias gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = topo.shape
+    x, dy = (torch.randn(1, n, generator=generator).to(dtype) for n in (in_features, out_features))
+    values = torch.randn(topo.nnz, generator=generator).to(dtype)
+    t, ops = topo.tensors(), torch.ops.snack_cpu
+    outputs = {
+        "spmm": (ops.spmm(x, values, t.rowptr, t.col),),
+        "spmm_t": (ops.spmm_t(dy, values, t.rowptr, t.col, in_features),),
+        "spmm_backward": ops.spmm_backward(dy, x, values, t.rowptr, t.col, True, True),
+    }
+    if in_features <= 1 << 16:
+        outputs["spmv_u16"] = (ops.spmv_u16(x, values, t.rowptr, native.narrow_columns(t.col)),)
+    return outputs
+
+
+@pytest.mark.skipif(native.gather_mode() is None, reason="a build without AVX-512 has one gather mode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, sparsity", [((41, 48), None), ((300, 70_000), 0.999), ((257, 1000), 0.9)])
+def test_gather_modes_give_bit_identical_results(dtype, shape, sparsity, threads):
+    # the scalar loads and stores add the same products in the same lanes as the instructions
+    topo = every_row_length_topology() if sparsity is None else random_topology(*shape, sparsity)
+    before, outputs = native.gather_mode(), {}
+    try:
+        for mode in native.GATHER_MODES:
+            native.set_gather_mode(mode)
+            outputs[mode] = batch_one_kernels(topo, dtype)
+    finally:
+        native.set_gather_mode(before)
+    for kernel, vector in outputs["vector"].items():
+        assert all(torch.equal(a, b) for a, b in zip(vector, outputs["scalar"][kernel], strict=True)), kernel
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -396,20 +450,20 @@ def test_backward_in_one_pass_or_two_also_returns_the_bias_gradient(batch, fuse,
     assert len(native.spmm_backward(dy, x, values, topo.tensors(), fuse=fuse)) == 2
 
 
-def test_batch_one_reads_16_bit_columns_up_to_65536():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_batch_one_reads_16_bit_columns_up_to_65536(dtype, gather_mode):
     # columns >= 32768 are stored as negative int16 bit patterns and must read back unsigned
     topo = random_topology(5, 65_536, 0.99)
     assert int(topo.col.max()) >= 1 << 15
     narrow = native.narrow_columns(topo.col)
     assert narrow.dtype == torch.int16 and narrow.numel() == topo.nnz
     assert torch.equal(narrow.long() % (1 << 16), topo.col.long())
-    x, values = torch.randn(1, 65_536, dtype=torch.float64), torch.randn(topo.nnz, dtype=torch.float64)
-    torch.testing.assert_close(native.spmm(x, values, topo.tensors()), reference.spmm(x, values, topo.tensors()))
+    rtol, atol = TOLERANCE[dtype]
     # wider layers take the 32-bit kernel
-    wide = random_topology(3, 70_000, 0.999)
-    x = torch.randn(1, 70_000, dtype=torch.float64)
-    values = torch.randn(wide.nnz, dtype=torch.float64)
-    torch.testing.assert_close(native.spmm(x, values, wide.tensors()), reference.spmm(x, values, wide.tensors()))
+    for topo in (topo, random_topology(3, 70_000, 0.999)):
+        x, values = torch.randn(1, topo.shape[1], dtype=dtype), torch.randn(topo.nnz, dtype=dtype)
+        expected = reference.spmm(x.double(), values.double(), topo.tensors())
+        torch.testing.assert_close(native.spmm(x, values, topo.tensors()).double(), expected, rtol=rtol, atol=atol)
 
 
 def test_layers_built_under_inference_mode(monkeypatch):
@@ -469,6 +523,58 @@ def test_native_ops_reject_bad_input(call, message):
         call(topo.tensors())
 
 
+def _gather_mode_in_a_new_process(setting: str | None) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "SNACK_CPU_GATHER"}
+    if setting is not None:
+        env["SNACK_CPU_GATHER"] = setting
+    script = "from snack.backends.cpu import native; print(native.gather_mode())"
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(native.gather_mode() is None, reason="a build without AVX-512 has one gather mode")
+def test_the_gather_mode_defaults_by_cpu_vendor_and_follows_the_environment():
+    vendor = next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("vendor_id")), None) if Path("/proc/cpuinfo").exists() else None
+    if vendor is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU vendor from")
+    default = _gather_mode_in_a_new_process(None)
+    assert default.stdout.split() == ["scalar" if vendor == "AuthenticAMD" else "vector"], default.stderr[-2000:]
+    for mode in native.GATHER_MODES:
+        chosen = _gather_mode_in_a_new_process(mode)
+        assert chosen.stdout.split() == [mode], chosen.stderr[-2000:]
+
+
+def test_a_bad_gather_mode_is_refused():
+    before = native.gather_mode()
+    with pytest.raises(ValueError, match=r"gather mode must be one of \('vector', 'scalar'\), got 'fast'"):
+        native.set_gather_mode("fast")
+    assert native.gather_mode() == before
+    with pytest.raises(RuntimeError, match="mode must be 'vector' or 'scalar', got 'fast'|no AVX-512 gathers"):
+        torch.ops.snack_cpu.set_gather_mode("fast")
+    assert native.gather_mode() == before
+
+
+_BAD_GATHER_ENVIRONMENT = """
+import warnings, torch, snack
+from snack import backends
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    layer = snack.SparseLinear(8, 6)  # construction's index helpers reach the backend first
+    layer(torch.randn(1, 8))
+assert backends.default_backend_name("cpu") == "reference"
+print([str(w.message) for w in caught if w.category is RuntimeWarning])
+"""
+
+
+def test_a_bad_gather_environment_makes_the_backend_unavailable_with_a_warning():
+    env = {**os.environ, "SNACK_CPU_GATHER": "fast"}
+    result = subprocess.run([sys.executable, "-c", _BAD_GATHER_ENVIRONMENT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "snack backend 'cpu' is unavailable: ValueError: SNACK_CPU_GATHER must be one of ('vector', 'scalar') " \
+        "or unset, got 'fast'; falling back" in result.stdout, result.stdout
+
+
 # Run in a fresh process: the vector ISA is chosen when torch is imported.
 _OTHER_ISA_CHECK = """
 import torch
@@ -479,6 +585,18 @@ from snack.ranking import ordering_keys
 from snack.topology import Topology, TopologyTensors, random_coo
 assert torch.backends.cpu.get_cpu_capability() == "{isa}", torch.backends.cpu.get_cpu_capability()
 assert "_{isa_lower}_" in str(cpu.build())
+# one way to gather: no mode to set, and SNACK_CPU_GATHER (set by the test) warns
+assert native.gather_mode() is None
+try:
+    native.set_gather_mode("scalar")
+    raise AssertionError("set_gather_mode did not refuse")
+except RuntimeError as error:
+    assert "without AVX-512 gathers" in str(error), error
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    native._gather_mode_from_environment()
+assert any("SNACK_CPU_GATHER=vector has no effect" in str(w.message) for w in caught), caught
 for threads in (1, 2):
     torch.set_num_threads(threads)
     for out_features, in_features, sparsity in ((37, 50, 0.6), (300, 200, 0.9)):
@@ -531,7 +649,7 @@ def test_kernels_built_for_narrower_vector_isas(isa):
     # compile other code paths (8-wide vectors, 8-way rather than 16-way reductions, scalar gathers)
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT" and isa == "AVX2":
         pytest.skip("this CPU has no AVX2")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower()}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa.lower(), "SNACK_CPU_GATHER": "vector"}
     script = _OTHER_ISA_CHECK.format(isa=isa, isa_lower=isa.lower())
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -140,13 +140,14 @@ def default_backend_name(device: torch.device | str) -> str:
     """The backend that runs on ``device`` (a device or a device type) when none is forced.
 
     The first registered default for the device type that loads and supports the device wins;
-    each one that fails to load is reported once with a ``RuntimeWarning``, so a broken native
-    build is never silently replaced by the slow reference.
+    each one that fails to load is reported with a ``RuntimeWarning`` each time a device is
+    resolved (once per process, as ``_RESOLVED`` keeps the answer), also when the failure first
+    happened elsewhere (the native index helpers of layer construction ask for the CPU backend
+    and quietly run torch without it): a broken native build is never silently replaced by the
+    slow reference.
     """
     device = torch.device(device)
     for name in _DEFAULTS.get(device.type, []):
-        if name in _FAILED:
-            continue
         try:
             backend = get_backend(name)
         except BackendUnavailableError as error:

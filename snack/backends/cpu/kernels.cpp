@@ -29,8 +29,10 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <sys/mman.h>
@@ -417,12 +419,52 @@ inline __m512 load_as_float(__mmask16 m, const scalar_t* p) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// How the batch-1 kernels (row_dot, scatter_row_vector) reach the entries a row's columns pick
+// (x, and spmm_t's accumulator): with AVX-512 gather and scatter instructions ("vector") or with
+// scalar loads and stores ("scalar"). Both add the same products in the same lanes with the same
+// fused multiply-adds, so their results are bit-identical; only the speed differs, by CPU. On the
+// Intel Xeon the kernels were tuned on, the instructions won (row_dot ~1.5x, the fused backward
+// 1.33x); AMD's Zen 4 runs them in microcode, and there scalar loads and stores measured faster
+// (three shapes at 90-99%, 2 threads, interleaved: the forward in 0.73-0.99x the time, the fused
+// backward in 0.34-0.89x; benchmarks/gather_mode.py). So the default is scalar on AMD, vector
+// elsewhere; set_gather_mode (SNACK_CPU_GATHER, read by snack.backends.cpu.native) overrides it.
+std::atomic<bool> g_scalar_gathers{[] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+}()};
+
+inline bool scalar_gathers() { return g_scalar_gathers.load(std::memory_order_relaxed); }
+
+// x[col[i]] for the lanes i in m, 0 elsewhere: the gather, by scalar loads or the instruction.
+template <typename col_t>
+inline __m512 gather16(__mmask16 m, const col_t* col, const float* x, bool scalar_loads) {
+  if (scalar_loads) {
+    if (m == 0xFFFF) {
+      return _mm512_setr_ps(x[col[0]], x[col[1]], x[col[2]], x[col[3]], x[col[4]], x[col[5]], x[col[6]], x[col[7]],
+                            x[col[8]], x[col[9]], x[col[10]], x[col[11]], x[col[12]], x[col[13]], x[col[14]], x[col[15]]);
+    }
+    alignas(64) float lanes[16] = {};
+    for (int i = 0; i < 16; ++i)
+      if (m >> i & 1) lanes[i] = x[col[i]];
+    return _mm512_load_ps(lanes);
+  }
+  __m512i c;
+  if constexpr (sizeof(col_t) == 2) {
+    c = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col));
+  } else {
+    c = _mm512_maskz_loadu_epi32(m, col);
+  }
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, x, 4);
+}
+#endif
+
 // Σ_k values[k] · x[col[k]] over k in [begin, end): one row of a sparse matrix-vector product.
 // col_t is int32 or uint16 (the 16-bit copy of the columns that spmv_u16 reads: 6 instead of 8
 // bytes per non-zero). Sixteen (AVX-512) or eight (AVX2) non-zeros at a time: values load as one
-// vector, the x entries are gathered into another (the gather instruction measured ~1.5x faster
-// than assembling the vector from scalar loads, and its rate, about one element per cycle, is
-// what bounds this loop: it ran no faster on a weight that fits in L2 than on one in L3).
+// vector, the x entries are gathered into another (gather16: on Intel the gather instruction
+// measured ~1.5x faster than scalar loads, and its rate, about one element per cycle, is what
+// bounds this loop: it ran no faster on a weight that fits in L2 than on one in L3).
 template <typename col_t, typename scalar_t, typename acc_t>
 acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* values, const acc_t* x) {
   int64_t k = begin;
@@ -432,19 +474,14 @@ acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* valu
   // layer ran 1.6x slower than a float32 one at batch 1).
   if constexpr (std::is_same_v<acc_t, float>) {
 #if defined(__AVX512F__)
+    const bool scalar_loads = scalar_gathers();
     __m512 a = _mm512_setzero_ps();
     for (; k < end; k += 16) {
       _mm_prefetch(reinterpret_cast<const char*>(values + k) + kStreamPrefetchBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(col + k) + kStreamPrefetchBytes, _MM_HINT_T0);
       // the row's last < 16 non-zeros through masked loads: one more iteration, not a scalar tail
       const __mmask16 m = end - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - k)) - 1);
-      __m512i c;
-      if constexpr (sizeof(col_t) == 2) {
-        c = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col + k));
-      } else {
-        c = _mm512_maskz_loadu_epi32(m, col + k);
-      }
-      a = _mm512_fmadd_ps(load_as_float(m, values + k), _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, x, 4), a);
+      a = _mm512_fmadd_ps(load_as_float(m, values + k), gather16(m, col + k, x, scalar_loads), a);
     }
     return _mm512_reduce_add_ps(a);
 #elif defined(__AVX2__)
@@ -656,6 +693,25 @@ void scatter_row_vector(int64_t r0, int64_t r1, const index_t* rowptr, const ind
     }
   }
 }
+
+// scatter_row_vector with scalar loads and stores (the "scalar" gather mode, see gather16), one
+// non-zero at a time with the same arithmetic: one fused multiply-add into buf, then dy[r] · x[col]
+// (+ dval). (The generic loop of scatter_rows multiplies and adds apart, which rounds differently.)
+template <bool kFused, typename scalar_t>
+void scatter_row_scalar(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
+                        const float* dy, float* buf, const float* x, float* dval, bool accumulate) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float d = dy[r];
+    for (int64_t k = rowptr[r]; k < rowptr[r + 1]; ++k) {
+      const int64_t c = col[k];
+      buf[c] = __builtin_fmaf(static_cast<float>(values[k]), d, buf[c]);
+      if constexpr (kFused) {
+        const float prod = d * x[c];
+        dval[k] = accumulate ? prod + dval[k] : prod;
+      }
+    }
+  }
+}
 #endif
 
 template <int W, bool kFused, typename scalar_t, typename acc_t>
@@ -663,7 +719,11 @@ void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* 
                   const acc_t* dyt, acc_t* buf, const acc_t* xt, acc_t* dval, bool accumulate) {
 #if defined(__AVX512F__)
   if constexpr (W == 1 && std::is_same_v<acc_t, float>) {
-    scatter_row_vector<kFused>(r0, r1, rowptr, col, values, dyt, buf, xt, dval, accumulate);
+    if (scalar_gathers()) {
+      scatter_row_scalar<kFused>(r0, r1, rowptr, col, values, dyt, buf, xt, dval, accumulate);
+    } else {
+      scatter_row_vector<kFused>(r0, r1, rowptr, col, values, dyt, buf, xt, dval, accumulate);
+    }
     return;
   }
 #endif
@@ -1026,6 +1086,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spmm_backward(const at::Tensor& d
   return {dx, sddmm(dy, x, rowptr, col), dbias};
 }
 
+// The batch-1 kernels' gather mode (see gather16): "vector" or "scalar", or "none" in builds
+// without AVX-512, whose batch-1 kernels have one way.
+std::string gather_mode() {
+#if defined(__AVX512F__)
+  return scalar_gathers() ? "scalar" : "vector";
+#else
+  return "none";
+#endif
+}
+
+void set_gather_mode(const std::string& mode) {
+#if defined(__AVX512F__)
+  TORCH_CHECK(mode == "vector" || mode == "scalar", "snack_cpu.set_gather_mode: mode must be 'vector' or 'scalar', got '",
+              mode, "'");
+  g_scalar_gathers.store(mode == "scalar", std::memory_order_relaxed);
+#else
+  TORCH_CHECK(false, "snack_cpu.set_gather_mode: this build has no AVX-512 gathers to choose between (got '", mode, "')");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(snack_cpu, m) {
@@ -1035,6 +1115,8 @@ TORCH_LIBRARY(snack_cpu, m) {
   m.def("sddmm(Tensor dy, Tensor x, Tensor rowptr, Tensor col) -> Tensor");
   m.def("spmm_backward(Tensor dy, Tensor x, Tensor values, Tensor rowptr, Tensor col, bool bias_grad=False, bool? fuse=None) -> (Tensor, Tensor, Tensor)");
   m.def("fuses_backward(int batch, int in_features, ScalarType dtype) -> bool", &fuses_backward);
+  m.def("gather_mode() -> str", &gather_mode);
+  m.def("set_gather_mode(str mode) -> ()", &set_gather_mode);
 }
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {

@@ -8,6 +8,9 @@ Shapes follow :mod:`snack.backends`: ``spmm`` ``x (B, in)`` → ``(B, out)``, ``
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -15,7 +18,18 @@ from snack.backends.cpu import build
 from snack.backends.derived import derived
 from snack.topology import TopologyTensors
 
-__all__ = ["forward_column_bytes", "narrow_columns", "sddmm", "spmm", "spmm_backward", "spmm_t", "supports"]
+__all__ = [
+    "GATHER_MODES",
+    "forward_column_bytes",
+    "gather_mode",
+    "narrow_columns",
+    "sddmm",
+    "set_gather_mode",
+    "spmm",
+    "spmm_backward",
+    "spmm_t",
+    "supports",
+]
 
 # raises BuildError when the kernels cannot be built: snack.backends then reports the backend
 # unavailable and runs the reference backend
@@ -25,6 +39,63 @@ _ops = torch.ops.snack_cpu
 
 def supports(device: torch.device) -> bool:
     return device.type == "cpu"
+
+
+# How the batch-1 kernels of an AVX-512 build reach the entries of x (and of dX) that a row's
+# columns pick: with the gather and scatter instructions, or with scalar loads and stores.
+GATHER_MODES = ("vector", "scalar")
+
+
+def gather_mode() -> str | None:
+    """The batch-1 kernels' gather mode, one of :data:`GATHER_MODES`, or ``None`` for a build
+    without AVX-512 (its batch-1 kernels have one way).
+
+    Both modes give bit-identical results; only their speed differs, by CPU: the instructions
+    were faster on an Intel Xeon, scalar loads and stores on AMD's Zen 4 (``kernels.cpp``,
+    ``gather16``, has the figures). The default is ``"scalar"`` on AMD CPUs and ``"vector"``
+    elsewhere; the ``SNACK_CPU_GATHER`` environment variable, read when this module is imported,
+    or :func:`set_gather_mode` overrides it.
+    """
+    mode = _ops.gather_mode()
+    return None if mode == "none" else mode
+
+
+def set_gather_mode(mode: str) -> None:
+    """Set the batch-1 kernels' gather mode for this process (see :func:`gather_mode`).
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`GATHER_MODES`.
+        RuntimeError: the build has no AVX-512 (:func:`gather_mode` is ``None``).
+    """
+    if mode not in GATHER_MODES:
+        raise ValueError(f"gather mode must be one of {GATHER_MODES}, got {mode!r}")
+    if gather_mode() is None:
+        raise RuntimeError(
+            f"cannot set gather mode {mode!r}: the native kernels were built for "
+            f"{torch.backends.cpu.get_cpu_capability()}, without AVX-512 gathers to choose between"
+        )
+    _ops.set_gather_mode(mode)
+
+
+def _gather_mode_from_environment() -> None:
+    """Apply ``SNACK_CPU_GATHER`` if set: a bad value raises (so the backend reports itself
+    unavailable with this message); on a build without AVX-512 it warns and changes nothing."""
+    mode = os.environ.get("SNACK_CPU_GATHER")
+    if not mode:
+        return
+    if mode not in GATHER_MODES:
+        raise ValueError(f"SNACK_CPU_GATHER must be one of {GATHER_MODES} or unset, got {mode!r}")
+    if gather_mode() is None:
+        warnings.warn(
+            f"SNACK_CPU_GATHER={mode} has no effect: the native kernels were built without AVX-512",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    set_gather_mode(mode)
+
+
+_gather_mode_from_environment()
 
 
 # Largest in_features whose column indices fit the 16-bit copy that batch-1 forwards read.
