@@ -294,3 +294,29 @@ def test_without_matplotlib_the_results_are_written_without_the_plot(tmp_path, c
     assert snack_cli.main([*TINY, "--sparsity", "0.5", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu_layer.csv", "cpu_layer.json", "cpu_layer.md"]
     assert "matplotlib is not installed: no plot" in capsys.readouterr().err
+
+
+def test_the_machine_line_names_the_batch_one_gather_mode(monkeypatch):
+    from snack import backends
+    from snack.backends.cpu import native
+    from snack.bench.provenance import machine_line
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    mode = native.gather_mode()
+    line = machine_line(torch.device("cpu"))
+    if mode is None:
+        assert f"threads, {isa};" in line, line
+    else:
+        assert f"threads, {isa} (batch-1 gathers: {mode});" in line, line
+        other = "scalar" if mode == "vector" else "vector"
+        native.set_gather_mode(other)
+        try:
+            assert f"(batch-1 gathers: {other})" in machine_line(torch.device("cpu"))
+        finally:
+            native.set_gather_mode(mode)
+
+    def unavailable(name):
+        raise backends.BackendUnavailableError("no native kernels")
+
+    monkeypatch.setattr(backends, "get_backend", unavailable)
+    assert f"threads, {isa};" in machine_line(torch.device("cpu"))

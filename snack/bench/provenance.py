@@ -22,9 +22,22 @@ def machine_line(device: torch.device) -> str:
                 model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
         except (OSError, StopIteration):
             pass
-        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, " \
-                   f"{torch.backends.cpu.get_cpu_capability()}"
+        hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {_cpu_kernels()}"
     return f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
+
+
+def _cpu_kernels() -> str:
+    """The vector ISA the native kernels are built for, with the batch-1 gather mode of an
+    AVX-512 build (which one is faster depends on the CPU, see ``snack.backends.cpu.native``)."""
+    from snack import backends  # (a benchmark imports it anyway; provenance alone needs no torch ops)
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    try:
+        native = backends.get_backend("cpu")
+    except backends.BackendUnavailableError:
+        return isa
+    mode = native.gather_mode()
+    return f"{isa} (batch-1 gathers: {mode})" if mode else isa
 
 
 def utc_stamp() -> str:
