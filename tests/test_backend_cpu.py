@@ -531,10 +531,18 @@ def _gather_mode_in_a_new_process(setting: str | None) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
 
 
+def _cpu_vendor() -> str | None:
+    """The CPU's vendor string (``"AuthenticAMD"``, ``"GenuineIntel"``), where Linux says it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), None)
+
+
 @pytest.mark.skipif(native.gather_mode() is None, reason="a build without AVX-512 has one gather mode")
 def test_the_gather_mode_defaults_by_cpu_vendor_and_follows_the_environment():
-    vendor = next((line.split(":")[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("vendor_id")), None) if Path("/proc/cpuinfo").exists() else None
+    vendor = _cpu_vendor()
     if vendor is None:
         pytest.skip("no /proc/cpuinfo to read the CPU vendor from")
     default = _gather_mode_in_a_new_process(None)
