@@ -32,17 +32,17 @@ OUT = Path(__file__).with_name("gather_mode.txt")
 
 class InMode:
     """``fn`` called in gather mode ``mode``, switching the process's mode only when it differs
-    from the last one an ``InMode`` set (``current`` is shared by all of them)."""
+    from the last one an ``InMode`` set."""
 
-    current: list[str | None] = [None]
+    _current: str | None = None
 
     def __init__(self, fn, mode: str):
         self.fn, self.mode = fn, mode
 
     def __call__(self):
-        if InMode.current[0] != self.mode:
+        if InMode._current != self.mode:
             native.set_gather_mode(self.mode)
-            InMode.current[0] = self.mode
+            InMode._current = self.mode
         return self.fn()
 
 

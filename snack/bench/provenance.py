@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from snack import backends
+
 __all__ = ["machine_line", "utc_stamp"]
 
 
@@ -29,8 +31,6 @@ def machine_line(device: torch.device) -> str:
 def _cpu_kernels() -> str:
     """The vector ISA the native kernels are built for, with the batch-1 gather mode of an
     AVX-512 build (which one is faster depends on the CPU, see ``snack.backends.cpu.native``)."""
-    from snack import backends  # (a benchmark imports it anyway; provenance alone needs no torch ops)
-
     isa = torch.backends.cpu.get_cpu_capability()
     try:
         native = backends.get_backend("cpu")
