@@ -426,8 +426,8 @@ inline __m512 load_as_float(__mmask16 m, const scalar_t* p) {
 // fused multiply-adds, so their results are bit-identical; only the speed differs, by CPU. On the
 // Intel Xeon the kernels were tuned on, the instructions won (row_dot ~1.5x, the fused backward
 // 1.33x); AMD's Zen 4 runs them in microcode, and there scalar loads and stores measured faster
-// (three shapes at 90-99%, 2 threads, interleaved: the forward in 0.73-0.99x the time, the fused
-// backward in 0.34-0.89x; benchmarks/gather_mode.py). So the default is scalar on AMD, vector
+// (three shapes at 90-99%, 2 threads, interleaved, four runs: the forward in 0.68-0.99x the time,
+// the fused backward in 0.34-1.01x; benchmarks/gather_mode.py). So the default is scalar on AMD, vector
 // elsewhere; set_gather_mode (SNACK_CPU_GATHER, read by snack.backends.cpu.native) overrides it.
 std::atomic<bool> g_scalar_gathers{[] {
   __builtin_cpu_init();
