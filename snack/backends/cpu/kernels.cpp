@@ -436,19 +436,9 @@ std::atomic<bool> g_scalar_gathers{[] {
 
 inline bool scalar_gathers() { return g_scalar_gathers.load(std::memory_order_relaxed); }
 
-// x[col[i]] for the lanes i in m, 0 elsewhere: the gather, by scalar loads or the instruction.
+// x[col[i]] for the lanes i in m, 0 elsewhere: the gather instruction (the "vector" mode).
 template <typename col_t>
-inline __m512 gather16(__mmask16 m, const col_t* col, const float* x, bool scalar_loads) {
-  if (scalar_loads) {
-    if (m == 0xFFFF) {
-      return _mm512_setr_ps(x[col[0]], x[col[1]], x[col[2]], x[col[3]], x[col[4]], x[col[5]], x[col[6]], x[col[7]],
-                            x[col[8]], x[col[9]], x[col[10]], x[col[11]], x[col[12]], x[col[13]], x[col[14]], x[col[15]]);
-    }
-    alignas(64) float lanes[16] = {};
-    for (int i = 0; i < 16; ++i)
-      if (m >> i & 1) lanes[i] = x[col[i]];
-    return _mm512_load_ps(lanes);
-  }
+inline __m512 gather16(__mmask16 m, const col_t* col, const float* x) {
   __m512i c;
   if constexpr (sizeof(col_t) == 2) {
     c = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, col));
@@ -458,12 +448,42 @@ inline __m512 gather16(__mmask16 m, const col_t* col, const float* x, bool scala
   return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, x, 4);
 }
 
+// row_dot in the "scalar" gather mode: the sums of row_dot's vector loop, lane by lane. Lane i
+// adds the products of non-zeros begin + 16t + i by fused multiply-adds, as lane i of the vector
+// accumulator does, and the lanes are summed by the same reduction, so the result is
+// bit-identical. Each non-zero costs three scalar loads and one multiply-add in registers. The
+// scalar mode first built a 16-lane vector of the loaded x entries for the vector loop, 15
+// shuffles per 16 non-zeros more: this took 0.78-1.03x its time (median 0.92; spmv_u16 at six
+// shapes, 90-99%, 1 and 2 threads, four interleaved runs, AMD Zen 4, 2026-12-02). Also tried:
+// the loads stored to an array on the stack and read back as one vector, no faster than shuffles.
+template <typename col_t, typename scalar_t>
+float row_dot_by_lanes(int64_t begin, int64_t end, const col_t* col, const scalar_t* values, const float* x) {
+  float lane[16] = {};
+  int64_t k = begin;
+  for (; k + 16 <= end; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(values + k) + kStreamPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(col + k) + kStreamPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) lane[i] = __builtin_fmaf(static_cast<float>(values[k + i]), x[col[k + i]], lane[i]);
+  }
+  // The last < 16: every lane is written, those past the end with + 0 (what the vector loop's
+  // masked step adds), at constant indices, so that the lanes stay in registers. Writing only the
+  // lanes before the end kept them in memory: 1.1-1.6x slower than the vector-building loop.
+  const int64_t left = end - k;
+  if (left > 0)
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      lane[i] = i < left ? __builtin_fmaf(static_cast<float>(values[k + i]), x[col[k + i]], lane[i]) : lane[i] + 0.f;
+  return _mm512_reduce_add_ps(_mm512_loadu_ps(lane));
+}
+
 // Rows with fewer non-zeros than this take short_row_dot: one masked 16-lane step would spend
 // most of a row's time in the gather's and the 16-lane sum's latencies. A 768 -> 3072 layer at
 // 99% (8 non-zeros per row) ran its batch-1 forward 2-2.5x faster so, in either gather mode (59-61
 // -> 24-31 µs, AMD Zen 4); the other shapes and sparsities of benchmarks/gather_mode.py ran as
-// before, within noise. (Scalar loops up to 48 non-zeros gained 13-20% more at 31-41 per row in the scalar
-// gather mode there, but were not measured against Intel's faster gathers, so 16 it is.)
+// before, within noise. (Scalar loops up to 48 non-zeros gained 13-20% more at 31-41 per row in
+// the scalar gather mode there, when it still built vectors for the 16-lane loop, but were not
+// measured against Intel's faster gathers, so 16 it is.)
 constexpr int64_t kShortRow = 16;
 
 // row_dot of a short row: two interleaved chains of fused multiply-adds, halving their latency.
@@ -499,14 +519,14 @@ acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* valu
   if constexpr (std::is_same_v<acc_t, float>) {
 #if defined(__AVX512F__)
     if (end - begin < kShortRow) return short_row_dot(begin, end, col, values, x);
-    const bool scalar_loads = scalar_gathers();
+    if (scalar_gathers()) return row_dot_by_lanes(begin, end, col, values, x);
     __m512 a = _mm512_setzero_ps();
     for (; k < end; k += 16) {
       _mm_prefetch(reinterpret_cast<const char*>(values + k) + kStreamPrefetchBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(col + k) + kStreamPrefetchBytes, _MM_HINT_T0);
       // the row's last < 16 non-zeros through masked loads: one more iteration, not a scalar tail
       const __mmask16 m = end - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (end - k)) - 1);
-      a = _mm512_fmadd_ps(load_as_float(m, values + k), gather16(m, col + k, x, scalar_loads), a);
+      a = _mm512_fmadd_ps(load_as_float(m, values + k), gather16(m, col + k, x), a);
     }
     return _mm512_reduce_add_ps(a);
 #elif defined(__AVX2__)
@@ -538,6 +558,14 @@ acc_t row_dot(int64_t begin, int64_t end, const col_t* col, const scalar_t* valu
 // spmm for rows [r0, r1) of one batch tile: accumulates Σ_k values[k] · packed[col[k]] over the
 // row's non-zeros into W accumulators, adds bias[r] (when bias is not null) and writes them to
 // out[(b0 + j) · n_out + r] for the `width` real batch columns j of this tile.
+//
+// Tried and dropped (AMD Zen 4, 2 threads, interleaved, 2026-12-02): walking the columns in bands
+// whose slice of a 64-wide tile stays in L1 (a cursor per row, each row's accumulators in memory
+// between bands, the next rows' segments prefetched), so that a non-zero's gather hits L1 instead
+// of L2. At 4096², 90% it took 0.75-0.93x this kernel's time at batch 64-256 and 0.92-1.07x at 95%;
+// 1.2-3x longer without the prefetch or with 32-wide tiles. Each row's few non-zeros per band
+// (about 13 at 90% in bands of 128 columns) pay a mispredicted loop exit, an accumulator round
+// trip and a jump in the value and column streams; too little for a second forward kernel.
 template <int W, typename scalar_t, typename acc_t>
 void gather_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
                  const acc_t* packed, const scalar_t* bias, scalar_t* out, int64_t n_out, int64_t b0, int64_t width) {
@@ -902,9 +930,13 @@ at::Tensor spmv_u16(const at::Tensor& x, const at::Tensor& values, const at::Ten
 
 // dx (B, in) = dy (B, out) · W, and with kFused also dvalues = sddmm(dy, x) in the same pass.
 // Walking W by column (through csc_perm) reads values and row indices in random order, which
-// measured ~10x slower than spmm on this machine; instead each thread walks a balanced range of
-// rows sequentially and scatters into its own (in, W) accumulator, and the accumulators are
-// summed at the end: no atomics, and the result does not depend on thread timing (only on the
+// measured ~10x slower than spmm on this machine. With the rows in column order cached (as the
+// GPU backend does), reading only the values through csc_perm still took 1.9-2.2x this kernel's
+// time at 4096², 90%, batch 8-128 (AMD Zen 4, 2026-12-02); values already in column order would
+// make it 0.6-0.8x, but putting them so takes a gather per step (torch's indexing: 5.8 ms, three
+// times this kernel at batch 32). Instead each thread walks a balanced range of rows
+// sequentially and scatters into its own (in, W) accumulator, and the accumulators are summed at
+// the end: no atomics, and the result does not depend on thread timing (only on the
 // thread count, through the summation order). Tried and dropped: giving each thread a column
 // range of every row and one shared accumulator (no sum) measured 2.4x slower at 99%, batch 32:
 // both threads write dvalues of every row, and the lines where their ranges meet ping-pong.
