@@ -94,7 +94,7 @@ class Spmm(_SparseOp):
 
     @staticmethod
     def forward(x: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
-        return backends.resolve(x.device).spmm(x.contiguous(), values.contiguous(), topo)
+        return backends.resolve(x.device, topo).spmm(x.contiguous(), values.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -115,7 +115,7 @@ class SpmmT(_SparseOp):
 
     @staticmethod
     def forward(dy: Tensor, values: Tensor, topo: TopologyTensors) -> Tensor:
-        return backends.resolve(dy.device).spmm_t(dy.contiguous(), values.contiguous(), topo)
+        return backends.resolve(dy.device, topo).spmm_t(dy.contiguous(), values.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -136,7 +136,7 @@ class Sddmm(_SparseOp):
 
     @staticmethod
     def forward(dy: Tensor, x: Tensor, topo: TopologyTensors) -> Tensor:
-        return backends.resolve(dy.device).sddmm(dy.contiguous(), x.contiguous(), topo)
+        return backends.resolve(dy.device, topo).sddmm(dy.contiguous(), x.contiguous(), topo)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

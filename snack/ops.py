@@ -87,14 +87,14 @@ def _device_kernel(op_name: str):
 
 def _run_backend(op_name: str, a: Tensor, b: Tensor, topo: TopologyTensors) -> Tensor:
     """``op_name`` on the backend for ``a``'s device, on inputs already checked."""
-    return getattr(backends.resolve(a.device), op_name)(a.contiguous(), b.contiguous(), topo)
+    return getattr(backends.resolve(a.device, topo), op_name)(a.contiguous(), b.contiguous(), topo)
 
 
 def _linear_kernel(x: Tensor, values: Tensor, bias: Tensor | None, topo: TopologyTensors) -> Tensor:
     """``x·Wᵀ + bias`` on the device's backend, which adds the bias in its spmm kernel, for
     inputs that :func:`sparse_linear` (or :class:`snack.SparseLinear`) has checked."""
     bias = bias.contiguous() if bias is not None else None  # e.g. an expanded one, as nn.Linear takes
-    return backends.resolve(x.device).spmm(x.contiguous(), values.contiguous(), topo, bias)
+    return backends.resolve(x.device, topo).spmm(x.contiguous(), values.contiguous(), topo, bias)
 
 
 _spmm_kernel = _device_kernel("spmm")
@@ -145,7 +145,7 @@ def _spmm_backward_kernel(
 def _backward_kernels(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool) -> tuple[Tensor, ...]:
     """:func:`_spmm_backward_kernel` on inputs already checked (the eager layer's backward: its
     forward checked them, and every check is host time the step pays again)."""
-    backend = backends.resolve(dy.device)
+    backend = backends.resolve(dy.device, topo)
     dy, x, values = dy.contiguous(), x.contiguous(), values.contiguous()
     fused = getattr(backend, "spmm_backward", None)
     if fused is not None:

@@ -14,7 +14,8 @@ and ``supports(device) -> bool``; optionally ``spmm_backward(dy, x, values, topo
 ``out = rowptr.numel() - 1`` and ``in = colptr.numel() - 1``.
 Inputs arrive contiguous, checked, on one device; outputs must be new tensors. The custom ops in :mod:`snack.ops` register one kernel per
 device type with PyTorch's dispatcher; that kernel asks :func:`resolve` which backend to run:
-the one forced by :func:`use_backend`, else the first default for the device type that loads.
+the one forced by :func:`use_backend`, else the first default for the device type that loads
+(or, for a topology that holds every connection, :mod:`snack.backends.full`'s dense math).
 
 Backends are registered by name with a *loader* so that heavy ones (a C++ build, Triton) are
 only imported when first used.
@@ -32,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from snack.backends import full
 from snack.topology import TopologyTensors
 
 __all__ = [
@@ -228,10 +230,13 @@ class _BackendChoice(_Forcing, contextlib.ContextDecorator):
 _NOT_FORCING = contextlib.nullcontext()
 
 
-def resolve(device: torch.device) -> Backend:
-    """The backend an op on ``device`` runs on now."""
+def resolve(device: torch.device, topo: TopologyTensors | None = None) -> Backend:
+    """The backend an op on ``device`` runs on now: for a ``topo`` that holds every connection,
+    unless a backend is forced, :mod:`snack.backends.full` (dense math on the values)."""
     name = _FORCED.get()
     if name is None:
+        if topo is not None and full.applies(device, topo):
+            return full
         backend = _RESOLVED.get(device)
         if backend is None:
             backend = _RESOLVED[device] = get_backend(default_backend_name(device))
