@@ -747,9 +747,9 @@ void scatter_row_vector(int64_t r0, int64_t r1, const index_t* rowptr, const ind
   }
 }
 
-// scatter_row_vector with scalar loads and stores (the "scalar" gather mode, see gather16), one
-// non-zero at a time with the same arithmetic: one fused multiply-add into buf, then dy[r] · x[col]
-// (+ dval). (The generic loop of scatter_rows multiplies and adds apart, which rounds differently.)
+// scatter_row_vector with scalar loads and stores (the "scalar" gather mode, see
+// g_scalar_gathers), one non-zero at a time with the same arithmetic: one fused multiply-add into
+// buf, then dy[r] · x[col] (+ dval). (The generic loop of scatter_rows multiplies and adds apart, which rounds differently.)
 template <bool kFused, typename scalar_t>
 void scatter_row_scalar(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
                         const float* dy, float* buf, const float* x, float* dval, bool accumulate) {
@@ -1143,8 +1143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spmm_backward(const at::Tensor& d
   return {dx, sddmm(dy, x, rowptr, col), dbias};
 }
 
-// The batch-1 kernels' gather mode (see gather16): "vector" or "scalar", or "none" in builds
-// without AVX-512, whose batch-1 kernels have one way.
+// The batch-1 kernels' gather mode (see g_scalar_gathers): "vector" or "scalar", or "none" in
+// builds without AVX-512, whose batch-1 kernels have one way.
 std::string gather_mode() {
 #if defined(__AVX512F__)
   return scalar_gathers() ? "scalar" : "vector";

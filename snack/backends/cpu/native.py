@@ -52,8 +52,8 @@ def gather_mode() -> str | None:
 
     Both modes give bit-identical results; only their speed differs, by CPU: the instructions
     were faster on an Intel Xeon, scalar loads and stores on AMD's Zen 4 (``kernels.cpp``,
-    ``gather16``, has the figures). The default is ``"scalar"`` on AMD CPUs and ``"vector"``
-    elsewhere; the ``SNACK_CPU_GATHER`` environment variable, read when this module is imported,
+    ``g_scalar_gathers``, has the figures). The default is ``"scalar"`` on AMD CPUs and
+    ``"vector"`` elsewhere; the ``SNACK_CPU_GATHER`` environment variable, read when this module is imported,
     or :func:`set_gather_mode` overrides it.
     """
     mode = _ops.gather_mode()
