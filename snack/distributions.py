@@ -13,6 +13,10 @@
       Σ_l d_l · n_l = (1 - s) · Σ_l n_l,   n_l = out_l · in_l
       ⇒ ε = ((1 - s) · Σ_l n_l) / Σ_l (out_l + in_l)
 
+  A convolution's weight ``(out, in, kh, kw)`` gets the kernel-aware rule of Evci et al.,
+  ``d_l = ε · (out + in + kh + kw) / (out · in · kh · kw)``: every rule here is the sum of the
+  weight's dimensions over their product, and the budget below holds for any of them.
+
   A density above 1 is impossible, so such layers are made fully dense (density 1), their
   connections are taken out of the budget, and ε is solved again over the remaining layers;
   repeat until no layer exceeds 1 (at most one round per layer, since each round makes at least
@@ -21,6 +25,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from snack.topology import check_shape, check_sparsity
@@ -30,8 +35,9 @@ DISTRIBUTIONS = ("uniform", "erk")
 __all__ = ["DISTRIBUTIONS", "erk_densities", "layer_sparsities"]
 
 
-def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[str, float]:
-    """ERK density per layer (name → ``(out, in)``) so the layers together keep ``density``.
+def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[str, float]:
+    """ERK density per layer (name → ``(out, in)``, or a convolution's ``(out, in, kh, kw)``) so
+    the layers together keep ``density``.
 
     Returns name → density in ``(0, 1]``; ``Σ d_l · n_l = density · Σ n_l`` (up to float error).
     Raises ``ValueError`` for a density outside ``(0, 1]`` or a layer with a side of 0.
@@ -40,13 +46,17 @@ def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[st
         raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__} {density!r}")
     if not 0.0 < density <= 1.0:  # NaN fails this too
         raise ValueError(f"density must be in (0, 1], got {density!r}")
-    for name, (out, in_) in shapes.items():
+    for name, shape in shapes.items():
         try:
-            check_shape(out, in_)
+            if len(shape) not in (2, 4):
+                raise ValueError(f"a shape must be (out, in) or (out, in, kh, kw), got {tuple(shape)}")
+            check_shape(shape[0], shape[1])
+            if len(shape) == 4:
+                check_shape(shape[2], shape[3])
         except (TypeError, ValueError) as error:
             raise type(error)(f"layer {name!r}: {error}") from None
-    sizes = {name: out * in_ for name, (out, in_) in shapes.items()}
-    raw = {name: (out + in_) / (out * in_) for name, (out, in_) in shapes.items()}
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    raw = {name: sum(shape) / math.prod(shape) for name, shape in shapes.items()}
     budget = density * sum(sizes.values())
     dense: set[str] = set()
     while True:
@@ -54,7 +64,7 @@ def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[st
         if not free:
             return {name: 1.0 for name in shapes}
         remaining = budget - sum(sizes[name] for name in dense)
-        # Σ_free ε · raw_l · n_l = remaining, and raw_l · n_l = out_l + in_l
+        # Σ_free ε · raw_l · n_l = remaining, and raw_l · n_l = out_l + in_l (+ kh_l + kw_l)
         epsilon = remaining / sum(raw[name] * sizes[name] for name in free)
         over = [name for name in free if epsilon * raw[name] > 1.0]
         if not over:
@@ -64,8 +74,9 @@ def erk_densities(shapes: dict[str, tuple[int, int]], density: float) -> dict[st
         dense.update(over)
 
 
-def layer_sparsities(shapes: dict[str, tuple[int, int]], sparsity: float, distribution: str) -> dict[str, float]:
-    """Per-layer sparsity for layers of ``shapes`` (name → ``(out, in)``) at overall ``sparsity``.
+def layer_sparsities(shapes: dict[str, tuple[int, ...]], sparsity: float, distribution: str) -> dict[str, float]:
+    """Per-layer sparsity for layers of ``shapes`` (name → ``(out, in)`` or ``(out, in, kh, kw)``)
+    at overall ``sparsity``.
 
     See the module docstring for the distributions. The result is name → sparsity in ``[0, 1)``;
     a layer ERK makes fully dense gets ``0.0``.

@@ -91,12 +91,14 @@ class GradientCapture:
         return torch.cat([x for x, _ in done]), torch.cat([dy for _, dy in done])
 
     def record(self, index: int, x: Tensor, output: Tensor) -> None:
-        """Keep ``x (*, in)`` and, when backward reaches ``output (*, out)``, its gradient."""
+        """Keep ``x`` as rows ``(N, in)`` and, when backward reaches ``output``, its gradient as rows
+        ``(N, out)`` (the layer's ``_rows_of_input``/``_rows_of_output``: a convolution's are its
+        im2col rows, so ``dYᵀ·X`` is its weight gradient too)."""
         layer = self.layers[index]
         # A copy, not the input itself: the caller may change the input in place once its backward
         # is done (a reused buffer, an adversarial step), and the update must score what this
         # forward saw. Only update steps record, so the copy is rare.
-        record = [x.detach().reshape(-1, layer.in_features).clone(), None]
+        record = [layer._rows_of_input(x.detach()), None]
         self._records[index].append(record)
 
         def grad_hook(grad: Tensor) -> None:
@@ -104,14 +106,15 @@ class GradientCapture:
             # tensors cannot even be detached) carries many cotangents, not the loss's dY
             if _inside_vmap() or torch._C._functorch.is_legacy_batchedtensor(grad):
                 return
-            grad = grad.detach().reshape(-1, layer.out_features)
+            grad = to_rows(grad.detach())
             record[1] = grad if record[1] is None else record[1] + grad
 
-        # A layer given (*, in) returns a view of its (N, out) result. An in-place op on that view
-        # (ReLU(inplace=True)) replaces the view's autograd history, and a hook on the view would
-        # never fire; one on the (N, out) result still sees dY.
+        # A layer given (*, in) returns a view of its (N, out) result (a convolution's im2col path
+        # too). An in-place op on that view (ReLU(inplace=True)) replaces the view's autograd
+        # history, and a hook on the view would never fire; one on the (N, out) result still sees dY.
+        to_rows = layer._rows_of_output
         if output._base is not None and output._base.shape == (record[0].shape[0], layer.out_features):
-            output = output._base
+            output, to_rows = output._base, lambda grad: grad.reshape(-1, layer.out_features)
         output.register_hook(grad_hook)
 
 

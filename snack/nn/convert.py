@@ -1,5 +1,5 @@
-"""``sparsify`` and ``densify``: turn a model's ``nn.Linear`` layers into :class:`SparseLinear`
-and back."""
+"""``sparsify`` and ``densify``: turn a model's ``nn.Linear`` and ``nn.Conv2d`` layers into
+:class:`SparseLinear` and :class:`SparseConv2d`, and back."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
+from snack.nn.conv import SparseConv2d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 
 __all__ = ["densify", "sparsify"]
@@ -25,8 +26,9 @@ def _conv1d_class():
 
 
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight (out, in), bias)`` of a layer ``sparsify`` converts, else ``None``."""
-    if type(module) is nn.Linear:  # not subclasses: see sparsify
+    """``(weight (out, in) or (out, in, kh, kw), bias)`` of a layer ``sparsify`` converts, else
+    ``None``."""
+    if type(module) is nn.Linear or type(module) is nn.Conv2d and module.groups == 1:  # not subclasses: see sparsify
         return module.weight, module.bias
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -108,6 +110,7 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
+    grouped: list[str]  # nn.Conv2d with groups > 1
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -117,7 +120,7 @@ def _choose_layers(
 ) -> tuple[dict, _LeftDense]:
     """The layers to convert, ``{first name: (module, all its names, weight (out, in), bias)}``,
     and the selected linear layers left dense."""
-    targets, left_dense = {}, _LeftDense([], [], [])
+    targets, left_dense = {}, _LeftDense([], [], [], [])
     owners = _parameter_owners(modules)
     for child, names in modules.values():
         if not _selected(names, include, exclude):
@@ -134,11 +137,19 @@ def _choose_layers(
                 targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
+        elif type(child) is nn.Conv2d:
+            left_dense.grouped.append(f"{shown} (groups={child.groups})")
     return targets, left_dense
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
-    subclassed, hooked, tied = left_dense
+    subclassed, grouped, hooked, tied = left_dense
+    if grouped:
+        warnings.warn(
+            f"sparsify left {len(grouped)} grouped convolution(s) dense: {', '.join(grouped)}. SparseConv2d has "
+            "groups=1 only (a grouped weight is block-diagonal); exclude them to silence this warning.",
+            stacklevel=3,
+        )
     if subclassed:
         warnings.warn(
             f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
@@ -171,7 +182,7 @@ def sparsify(
     init: str = "magnitude",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, in place.
+    :class:`SparseLinear`, and its ``nn.Conv2d`` layers with :class:`SparseConv2d`, in place.
 
     Args:
         sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
@@ -194,6 +205,7 @@ def sparsify(
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
+    Grouped convolutions (``groups > 1``, depthwise ones) stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
@@ -209,16 +221,29 @@ def sparsify(
     per_layer = layer_sparsities(shapes, sparsity, distribution)
     converted = {}
     for name, (child, names, weight, bias) in targets.items():
-        if init == "magnitude":
-            layer = SparseLinear.from_dense(weight, sparsity=per_layer[name], bias=bias)
-        else:
-            out_features, in_features = weight.shape
-            layer = SparseLinear(
-                in_features, out_features, bias is not None, sparsity=per_layer[name], device=weight.device, dtype=weight.dtype
-            )
+        layer = _sparse_layer(child, weight, bias, per_layer[name], init)
         _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
         converted.update(dict.fromkeys(names, layer))
     return _install(module, converted)
+
+
+def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsity: float, init: str) -> SparseLinear:
+    """The sparse layer that replaces ``dense`` (whose ``weight`` is ``(out, in)`` or a
+    convolution's ``(out, in, kh, kw)``): its largest weights, or a random topology."""
+    if isinstance(dense, nn.Conv2d):
+        if init == "magnitude":
+            return SparseConv2d.from_dense(dense, sparsity=sparsity)
+        return SparseConv2d(
+            dense.in_channels, dense.out_channels, dense.kernel_size, dense.stride, dense.padding, dense.dilation,
+            bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity, device=weight.device,
+            dtype=weight.dtype,
+        )
+    if init == "magnitude":
+        return SparseLinear.from_dense(weight, sparsity=sparsity, bias=bias)
+    out_features, in_features = weight.shape
+    return SparseLinear(
+        in_features, out_features, bias is not None, sparsity=sparsity, device=weight.device, dtype=weight.dtype
+    )
 
 
 def _warn_about_what_sparsify_missed(
@@ -244,7 +269,8 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         warnings.warn(
-            f"sparsify converted no layer: the model holds no nn.Linear{selected} that it may convert{already}",
+            f"sparsify converted no layer: the model holds no nn.Linear or nn.Conv2d{selected} that it may "
+            f"convert{already}",
             stacklevel=3,
         )
     by_name = {name: child for child, all_names in modules.values() for name in all_names}
@@ -264,19 +290,17 @@ def _warn_about_what_sparsify_missed(
 
 
 def densify(module: nn.Module) -> nn.Module:
-    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear``, in place
-    (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
+    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
+    every :class:`SparseConv2d` with an ``nn.Conv2d``), in place (training mode, frozen parameters
+    and sharing kept, as :func:`sparsify` does).
 
-    Returns ``module``, or a new ``nn.Linear`` when ``module`` is itself a ``SparseLinear``.
+    Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
     converted = {}
     for child, names in _modules_by_identity(module).values():
         if isinstance(child, SparseLinear):
             # uninitialised, then written in place: no second dense copy, no init overwritten at once
-            dense = nn.utils.skip_init(
-                nn.Linear, child.in_features, child.out_features, child.bias is not None,
-                device=child.values.device, dtype=child.values.dtype,
-            )
+            dense = nn.utils.skip_init(**_dense_twin(child), device=child.values.device, dtype=child.values.dtype)
             with torch.no_grad():
                 dense.weight.zero_().view(-1).index_put_((child._flat_index(),), child.values)
                 if child.bias is not None:
@@ -284,3 +308,15 @@ def densify(module: nn.Module) -> nn.Module:
             _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])
             converted.update(dict.fromkeys(names, dense))
     return _install(module, converted)
+
+
+def _dense_twin(layer: SparseLinear) -> dict:
+    """``nn.utils.skip_init``'s arguments for the dense layer ``densify`` makes of ``layer``."""
+    if isinstance(layer, SparseConv2d):
+        return dict(
+            module_cls=nn.Conv2d, in_channels=layer.in_channels, out_channels=layer.out_channels,
+            kernel_size=layer.kernel_size, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
+            bias=layer.bias is not None, padding_mode=layer.padding_mode,
+        )
+    return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
+                bias=layer.bias is not None)  # fmt: skip

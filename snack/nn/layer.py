@@ -411,8 +411,25 @@ class SparseLinear(nn.Module):
             path = None
         if path:
             return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input)
+        return self._fx_root_forward(input)
+
+    def _fx_root_forward(self, input):
+        """What ``torch.fx.symbolic_trace`` records for a layer it cannot reach by a path (the root):
+        one call on the layer's tensors."""
         shape = (self.out_features, self.in_features)
         return tracing.fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
+
+    # ------------------------------------------------------------------ rows for RigL
+
+    def _rows_of_input(self, x: Tensor) -> Tensor:
+        """``x (*, in_features)`` → ``(N, in_features)``, a copy: the rows the layer multiplies by
+        the weight (what RigL's growth scores read)."""
+        return x.reshape(-1, self.in_features).clone()
+
+    def _rows_of_output(self, y: Tensor) -> Tensor:
+        """An output (or its gradient) ``(*, out_features)`` → ``(N, out_features)``, row for row
+        with :meth:`_rows_of_input`."""
+        return y.reshape(-1, self.out_features)
 
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
         """``(values, bias, topology)`` of one complete state of the layer, for a forward.

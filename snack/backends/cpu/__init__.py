@@ -1,6 +1,7 @@
 """The native CPU backend: C++ kernels built once per machine, just in time: the sparse ops
-(``kernels.cpp``), the index helpers of topology updates (``index_ops.cpp``) and RigL's gradient
-scores (``grow_scores.cpp``), one library.
+(``kernels.cpp``), the index helpers of topology updates (``index_ops.cpp``), RigL's gradient
+scores (``grow_scores.cpp``) and ``SparseConv2d``'s direct convolution (``conv_kernels.cpp``), one
+library.
 
 This package builds them; :mod:`.native` loads them (building first if needed) and wraps the ops,
 and is what :mod:`snack.backends` imports. Importing this package itself builds nothing, so that
@@ -35,7 +36,9 @@ from filelock import FileLock
 
 __all__ = ["BuildError", "build", "prune"]
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "index_ops.cpp", "grow_scores.cpp"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp")
+)
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # Vector extensions per PyTorch CPU capability. FMA comes with every AVX2 machine.
 _ISA_FLAGS = {

@@ -1,0 +1,97 @@
+"""The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``),
+as one autograd node.
+
+Shapes: ``x (N, C, Hp, Wp)`` already padded, ``values (nnz,)``, ``bias (out,)`` or ``None`` →
+``y (N, out, Ho, Wo)``. The kernels compute float32 and float64; other dtypes, autocast regions,
+compiled or traced code and ``torch.func`` transforms take the layer's im2col path instead
+(:meth:`snack.SparseConv2d.forward` decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from snack import backends
+from snack.topology import Topology
+
+__all__ = ["ConvGeometry", "applies", "direct_conv2d"]
+
+KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+class ConvGeometry(NamedTuple):
+    """Kernel size, stride and dilation, each ``(height, width)``."""
+
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+
+
+def applies(x: Tensor, values: Tensor) -> bool:
+    """Whether the native kernels run this convolution: ``x`` and ``values`` float32 or float64
+    on the CPU, and the backend there is the native one (not forced to another)."""
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES or values.dtype != x.dtype:
+        return False
+    try:
+        return backends.resolve(x.device) is backends.get_backend("cpu")
+    except backends.BackendUnavailableError:  # a native build that failed: the im2col path runs
+        return False
+
+
+def direct_conv2d(
+    x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
+    recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+) -> Tensor:
+    """``y (N, out, Ho, Wo)`` of padded, contiguous ``x (N, C, Hp, Wp)``; see the module docstring.
+
+    ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
+    itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own."""
+    return _DirectConv2d.apply(x, values, bias, topology, geometry, recompute)
+
+
+class _DirectConv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values, bias, topology, geometry, recompute):
+        y = torch.ops.snack_cpu.conv2d_forward(
+            x, values, topology.rowptr, topology.col, bias, geometry.kernel, geometry.stride, geometry.dilation
+        )
+        # values saved too: autograd's version check then refuses a backward after values changed
+        # (a rewire, an in-place clamp), as the layer's other paths do
+        ctx.save_for_backward(x, values, bias)
+        ctx.topology, ctx.geometry, ctx.recompute = topology, geometry, recompute
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, values, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph: differentiate the recomputed result, whose ops have derivatives of every order
+            return (*_gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
+                    None, None, None)  # fmt: skip
+        topology, g = ctx.topology, ctx.geometry
+        dy = dy.contiguous()
+        dx = dvalues = dbias = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.snack_cpu.conv2d_input_grad(
+                dy, values, topology.row, topology.col, topology.csc_perm, topology.colptr, x.shape[1:],
+                g.kernel, g.stride, g.dilation,
+            )  # fmt: skip
+        if ctx.needs_input_grad[1]:
+            dvalues = torch.ops.snack_cpu.conv2d_values_grad(
+                dy, x, topology.rowptr, topology.col, g.kernel, g.stride, g.dilation
+            )
+        if ctx.needs_input_grad[2]:
+            dbias = dy.sum((0, 2, 3))
+        return dx, dvalues, dbias, None, None, None
+
+
+def _gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:
+    inputs = [t for t, need in zip((x, values, bias), needed) if need]
+    with torch.enable_grad():
+        y = recompute(x, values, bias)
+        grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=True, allow_unused=True))
+    return [next(grads) if need else None for need in needed]

@@ -1,0 +1,355 @@
+"""``SparseConv2d``, a truly sparse drop-in for ``nn.Conv2d`` (``groups=1``)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from snack import backends
+from snack.backends import full
+from snack.backends.cpu import conv as direct
+from snack.func import transforms_active
+from snack.nn import tracing
+from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear, _copied_bias, _reject_meta
+from snack.ops import _sparse_linear
+from snack.topology import check_shape_pair, coo_from_dense
+
+__all__ = ["SparseConv2d"]
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+class SparseConv2d(SparseLinear):
+    """A 2-D convolution whose kernel stores only its ``nnz`` connections.
+
+    Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output ``(N, C_out, H_out, W_out)`` (or without
+    ``N``), with ``nn.Conv2d``'s arguments and output size. The weight is the sparse
+    ``(out_channels, in_channels · kh · kw)`` matrix ``nn.Conv2d``'s weight is when flattened:
+    connection ``(o, col)`` joins output channel ``o`` to input channel ``col // (kh·kw)`` at kernel
+    tap ``divmod(col % (kh·kw), kw)``. So this is a :class:`SparseLinear` with
+    ``in_features = in_channels · kh · kw``: ``row``, ``col``, ``values``, ``set_topology``, the
+    state_dict and every :mod:`snack.dst` algorithm work on it unchanged, and :meth:`to_dense` gives
+    the ``(out_channels, in_channels, kh, kw)`` weight. Initialisation is ``nn.Conv2d``'s
+    variance with the sparse fan-in, as for :class:`SparseLinear` (whose ``fan_in`` rule is
+    ``nn.Conv2d``'s with ``in_channels · kh · kw`` inputs).
+
+    How it computes:
+
+    * on the CPU, float32 and float64, eagerly: a direct sparse convolution (native kernels,
+      ``snack/backends/cpu/conv_kernels.cpp``): each connection multiplies one window of an input
+      plane into one output plane, and nothing is unfolded;
+    * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing, ``torch.func``
+      transforms, a forced backend): im2col, the input's windows unfolded into
+      ``(N · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The rows hold
+      ``kh · kw`` copies of the input;
+    * a layer holding every connection (ERK leaves small first layers dense): ``F.conv2d`` on
+      ``values`` viewed as the dense weight, unless a backend is forced.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, padding_mode: as for
+            ``nn.Conv2d`` (``padding`` an int, a pair, ``"valid"`` or ``"same"``).
+        groups: must be 1 (a grouped convolution's weight is block-diagonal, which random
+            topologies and growth would not respect).
+        bias: learn an additive bias per output channel.
+        sparsity: fraction of zero connections in ``[0, 1)``, drawn uniformly at random.
+        device, dtype: of the parameters.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        _check_channels(in_channels, out_channels)
+        geometry = _Geometry.checked(kernel_size, stride, padding, dilation, groups, padding_mode)
+        in_features = int(in_channels) * geometry["kernel_size"][0] * geometry["kernel_size"][1]
+        super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
+        self._set_geometry(int(in_channels), geometry)
+
+    def _set_geometry(self, in_channels: int, geometry: dict) -> None:
+        self.in_channels = in_channels
+        self.groups = 1
+        self.__dict__.update(geometry)
+
+    @property
+    def out_channels(self) -> int:
+        return self.out_features
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dense(
+        cls,
+        conv_or_weight: nn.Conv2d | Tensor,
+        *,
+        sparsity: float | None = None,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        padding_mode: str = "zeros",
+    ) -> SparseConv2d:
+        """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
+        ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
+        used) or of an ``(out_channels, in_channels, kh, kw)`` weight tensor (with ``bias``,
+        ``stride``, ``padding``, ``dilation``, ``padding_mode`` given here). Parameters are copies."""
+        if isinstance(conv_or_weight, nn.Conv2d):
+            conv = conv_or_weight
+            given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
+            defaults = dict(bias=None, stride=1, padding=0, dilation=1, padding_mode="zeros")
+            if given != defaults:
+                raise ValueError(
+                    "from_dense: bias, stride, padding, dilation and padding_mode must not be given with an "
+                    "nn.Conv2d; its own are used"
+                )
+            if conv._forward_pre_hooks:
+                raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
+            if conv.groups != 1:
+                raise ValueError(f"conv_or_weight: groups must be 1, got an nn.Conv2d with groups={conv.groups}")
+            weight, bias = conv.weight, conv.bias
+            stride, padding, dilation, padding_mode = conv.stride, conv.padding, conv.dilation, conv.padding_mode
+        elif isinstance(conv_or_weight, Tensor):
+            weight = conv_or_weight
+            if weight.dim() != 4:
+                raise ValueError(
+                    f"conv_or_weight: a weight must be (out_channels, in_channels, kh, kw), got {tuple(weight.shape)}"
+                )
+        else:
+            raise TypeError(f"conv_or_weight must be an nn.Conv2d or a Tensor, got {type(conv_or_weight).__name__}")
+        _reject_meta(weight.device)
+        out_channels, in_channels, kh, kw = weight.shape
+        geometry = _Geometry.checked((kh, kw), stride, padding, dilation, 1, padding_mode)
+        _check_channels(in_channels, out_channels)
+        row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
+        layer = cls._from_parts(in_channels * kh * kw, out_channels, row, col, values,
+                                _copied_bias(bias, out_channels, weight.dtype))  # fmt: skip
+        layer._set_geometry(in_channels, geometry)
+        return layer
+
+    @classmethod
+    def from_coo(
+        cls,
+        row: Tensor,
+        col: Tensor,
+        values: Tensor,
+        shape: tuple[int, int, int, int],
+        *,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        padding_mode: str = "zeros",
+    ) -> SparseConv2d:
+        """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
+        ``col`` the position in ``in_channels · kh · kw`` (``c · kh · kw + i · kw + j``), in any
+        order, without duplicates; ``shape`` is ``(out_channels, in_channels, kh, kw)``."""
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 4):
+            raise ValueError(f"shape must be (out_channels, in_channels, kh, kw), got {shape!r}")
+        out_channels, in_channels, kh, kw = shape
+        _check_channels(in_channels, out_channels)
+        geometry = _Geometry.checked((kh, kw), stride, padding, dilation, 1, padding_mode)
+        kh, kw = geometry["kernel_size"]
+        linear = SparseLinear.from_coo(row, col, values, (out_channels, in_channels * kh * kw), bias=bias)
+        layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
+                                linear.values.data, None if linear.bias is None else linear.bias.data)  # fmt: skip
+        layer._set_geometry(int(in_channels), geometry)
+        return layer
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``input (N, in_channels, H, W)`` or ``(in_channels, H, W)`` → ``(N, out_channels, H_out,
+        W_out)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_forward(input)
+        if not isinstance(input, Tensor):
+            raise TypeError(f"SparseConv2d expects a Tensor input, got {type(input).__name__}")
+        if input.dim() not in (3, 4) or input.shape[-3] != self.in_channels:
+            raise ValueError(
+                f"SparseConv2d(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, H, W) "
+                f"or ({self.in_channels}, H, W), got {tuple(input.shape)}"
+            )
+        batched = input.dim() == 4
+        x = self._padded(input if batched else input.unsqueeze(0))
+        self._check_size(x)
+        y = self._fast_forward(x)
+        if y is None:
+            y = self._through_rows(x, lambda rows: SparseLinear.forward(self, rows))
+        return y if batched else y.squeeze(0)
+
+    def _padded(self, x: Tensor) -> Tensor:
+        """``x (N, C, H, W)`` with the padding applied (``F.pad`` order: left, right, top, bottom)."""
+        amounts = self._padding_amounts()
+        if not any(amounts):
+            return x
+        return F.pad(x, amounts, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
+
+    def _padding_amounts(self) -> tuple[int, int, int, int]:
+        if self.padding == "valid":
+            return (0, 0, 0, 0)
+        if self.padding == "same":  # as nn.Conv2d: an odd total puts the extra row/column last
+            (kh, kw), (dh, dw) = self.kernel_size, self.dilation
+            th, tw = dh * (kh - 1), dw * (kw - 1)
+            return (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+        ph, pw = self.padding
+        return (pw, pw, ph, ph)
+
+    def _check_size(self, x: Tensor) -> None:
+        (kh, kw), (dh, dw) = self.kernel_size, self.dilation
+        if x.shape[-2] < dh * (kh - 1) + 1 or x.shape[-1] < dw * (kw - 1) + 1:
+            raise ValueError(
+                f"SparseConv2d: the input, padded to {tuple(x.shape[-2:])}, is smaller than the dilated kernel "
+                f"({dh * (kh - 1) + 1}, {dw * (kw - 1) + 1})"
+            )
+
+    def _fast_forward(self, x: Tensor) -> Tensor | None:
+        """The convolution by the native kernels or, for a full topology, ``F.conv2d``; ``None``
+        where neither applies (the im2col path runs)."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
+            return None
+        if torch._C._is_any_autocast_enabled():
+            return None
+        values, bias, topology = self._consistent_state()
+        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
+            return None  # the im2col path's checks name the problem
+        if x.dtype != values.dtype or x.device != values.device:
+            return None
+        geometry = direct.ConvGeometry(self.kernel_size, self.stride, self.dilation)
+        if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
+            weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
+            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation)
+        if not direct.applies(x, values):
+            return None
+
+        def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+            return self._through_rows(x, lambda rows: _sparse_linear(rows, values, topology, bias))
+
+        return direct.direct_conv2d(x.contiguous(), values, bias, topology, geometry, recompute)
+
+    def _im2col(self, x: Tensor) -> tuple[Tensor, tuple]:
+        """Padded ``x (N, C, Hp, Wp)`` → ``(rows (N · H_out · W_out, in_features), (N, H_out,
+        W_out))``: each output position's window, in the flattened kernel's order (a copy).
+        Written for FX proxies too (no branch on sizes)."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        windows = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)  # (N, C, Ho, Wo, ·, ·)
+        if (dh, dw) != (1, 1):
+            windows = windows[..., ::dh, ::dw]
+        sizes = (windows.shape[0], windows.shape[2], windows.shape[3])
+        return windows.permute(0, 2, 3, 1, 4, 5).reshape(-1, self.in_features), sizes
+
+    def _through_rows(self, x: Tensor, linear) -> Tensor:
+        """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
+        ``(rows, out_channels)``), back to ``(N, out_channels, H_out, W_out)`` (in channels-last
+        memory order: no copy)."""
+        rows, (n, height, width) = self._im2col(x)
+        return linear(rows).view(n, height, width, self.out_features).permute(0, 3, 1, 2)
+
+    def _fx_root_forward(self, input):
+        return self._through_rows(self._padded(input), lambda rows: tracing.fx_sparse_linear(
+            rows, self.values, self.bias, self.row, self.col, self.out_features, self.in_features
+        ))  # fmt: skip
+
+    # ------------------------------------------------------------------ rows for RigL
+
+    def _rows_of_input(self, x: Tensor) -> Tensor:
+        """``x (N, C, H, W)`` (or unbatched) → ``(N · H_out · W_out, in_features)``, a copy: the rows
+        the convolution multiplies by the weight (what RigL's growth scores read)."""
+        return self._im2col(self._padded(x if x.dim() == 4 else x.unsqueeze(0)))[0]
+
+    def _rows_of_output(self, y: Tensor) -> Tensor:
+        """An output (or its gradient) ``(N, out_channels, H_out, W_out)`` → ``(N · H_out · W_out,
+        out_channels)``, row for row with :meth:`_rows_of_input`."""
+        return y.movedim(-3, -1).reshape(-1, self.out_features)
+
+    # ------------------------------------------------------------------ conversion
+
+    def to_dense(self) -> Tensor:
+        """The ``(out_channels, in_channels, kh, kw)`` dense weight (differentiable in ``values``)."""
+        return super().to_dense().view(self.out_channels, self.in_channels, *self.kernel_size)
+
+    def __getattr__(self, name: str):
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        raise AttributeError(
+            "SparseConv2d has no dense weight: it holds `values` at (`row`, `col`) of the flattened kernel; "
+            "`to_dense()` builds the (out_channels, in_channels, kh, kw) weight, snack.densify(model) turns the "
+            "layers back into nn.Conv2d"
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.in_channels}, {self.out_channels}", f"kernel_size={self.kernel_size}", f"stride={self.stride}"]
+        if self.padding != (0, 0):
+            parts.append(f"padding={self.padding!r}")
+        if self.dilation != (1, 1):
+            parts.append(f"dilation={self.dilation}")
+        if self.padding_mode != "zeros":
+            parts.append(f"padding_mode={self.padding_mode!r}")
+        parts.append(f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
+        return ", ".join(parts)
+
+
+SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
+
+
+class _Geometry:
+    """Checks of ``nn.Conv2d``'s geometry arguments, giving the layer's attributes."""
+
+    @staticmethod
+    def checked(kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
+        if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups != 1:
+            raise ValueError(
+                f"SparseConv2d: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
+                "block-diagonal, which random topologies and growth would not keep"
+            )
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"SparseConv2d: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        kernel_size = _pair(kernel_size, "kernel_size", minimum=1)
+        stride = _pair(stride, "stride", minimum=1)
+        dilation = _pair(dilation, "dilation", minimum=1)
+        if isinstance(padding, str):
+            if padding not in ("valid", "same"):
+                raise ValueError(f"SparseConv2d: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
+            if padding == "same" and stride != (1, 1):
+                raise ValueError(f"SparseConv2d: padding='same' needs stride 1 (as nn.Conv2d), got stride={stride}")
+        else:
+            padding = _pair(padding, "padding", minimum=0)
+        return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
+                    padding_mode=padding_mode)  # fmt: skip
+
+
+def _pair(value, name: str, *, minimum: int) -> tuple[int, int]:
+    pair = (value, value) if not isinstance(value, (tuple, list, torch.Size)) else tuple(value)
+    if len(pair) != 2 or not all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum for v in pair
+    ):
+        bound = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"SparseConv2d: {name} must be a {bound} int or a pair of them, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_channels(in_channels, out_channels) -> None:
+    try:
+        check_shape_pair((out_channels, in_channels))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"SparseConv2d: in_channels and out_channels must be positive ints, got {in_channels!r} and "
+            f"{out_channels!r}"
+        ) from None
+

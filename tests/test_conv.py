@@ -1,0 +1,327 @@
+"""SparseConv2d against nn.Conv2d on the same (densified) weight: forward and every gradient, on the
+native direct kernels and the im2col path, plus conversion, serialisation, RigL's records, tracing
+and the truly-sparse guarantee."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import snack
+from snack.dst.capture import GradientCapture
+from tests.test_truly_sparse import LargestTensorMode
+
+GEOMETRIES = [
+    dict(kernel_size=3),
+    dict(kernel_size=3, padding=1),
+    dict(kernel_size=(3, 2), stride=(2, 3), padding=(1, 2)),
+    dict(kernel_size=3, padding="same", dilation=2),
+    dict(kernel_size=(2, 4), padding="same"),  # even kernel: asymmetric padding
+    dict(kernel_size=3, stride=2, padding=1, padding_mode="reflect"),
+    dict(kernel_size=3, padding=2, padding_mode="circular", dilation=(1, 2)),
+    dict(kernel_size=1, padding=1, padding_mode="replicate"),
+    dict(kernel_size=5, padding="valid", stride=(1, 2)),
+]
+PATHS = ["native", "reference"]  # the direct kernels; im2col through the reference ops
+
+
+def _dense_twin(layer: snack.SparseConv2d) -> nn.Conv2d:
+    dense = nn.Conv2d(
+        layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+        bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
+    )  # fmt: skip
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    return dense
+
+
+def _run(layer, x, path):
+    if path == "reference":
+        with snack.use_backend("reference"):
+            return layer(x)
+    return layer(x)
+
+
+def _check_against_dense(layer, x, path, atol=1e-10):
+    dense = _dense_twin(layer)
+    x = x.detach().requires_grad_()
+    y = _run(layer, x, path)
+    x_dense = x.detach().clone().requires_grad_()
+    y_dense = dense(x_dense)
+    assert y.shape == y_dense.shape
+    torch.testing.assert_close(y, y_dense, atol=atol, rtol=1e-7)
+    dy = torch.randn_like(y_dense)
+    wanted = [x, layer.values] + ([layer.bias] if layer.bias is not None else [])
+    grads = torch.autograd.grad(y, wanted, dy)
+    dense_wanted = [x_dense, dense.weight] + ([dense.bias] if dense.bias is not None else [])
+    dense_grads = torch.autograd.grad(y_dense, dense_wanted, dy)
+    torch.testing.assert_close(grads[0], dense_grads[0], atol=atol, rtol=1e-7)
+    flat = dense_grads[1].reshape(layer.out_channels, -1)[layer.row.long(), layer.col.long()]
+    torch.testing.assert_close(grads[1], flat, atol=atol, rtol=1e-7)
+    if layer.bias is not None:
+        torch.testing.assert_close(grads[2], dense_grads[2], atol=atol, rtol=1e-7)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+def test_matches_dense_conv_forward_and_gradients(geometry, path):
+    layer = snack.SparseConv2d(3, 5, sparsity=0.6, dtype=torch.float64, **geometry)
+    _check_against_dense(layer, torch.randn(2, 3, 11, 9, dtype=torch.float64), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_batch_one_unbatched_and_odd_sizes(path):
+    layer = snack.SparseConv2d(4, 7, 3, padding=1, sparsity=0.7, dtype=torch.float64)
+    _check_against_dense(layer, torch.randn(1, 4, 13, 5, dtype=torch.float64), path)
+    x = torch.randn(4, 6, 7, dtype=torch.float64)
+    torch.testing.assert_close(_run(layer, x, path), _dense_twin(layer)(x))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_output_channels_and_no_connections(path):
+    row = torch.tensor([0, 0, 2])  # channels 1 and 3 have no connection: bias only
+    col = torch.tensor([0, 17, 5])
+    layer = snack.SparseConv2d.from_coo(row, col, torch.randn(3, dtype=torch.float64), (4, 2, 3, 3),
+                                        bias=torch.randn(4, dtype=torch.float64), padding=1)  # fmt: skip
+    _check_against_dense(layer, torch.randn(2, 2, 6, 6, dtype=torch.float64), path)
+    empty = snack.SparseConv2d.from_coo(
+        torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.float64),
+        (3, 2, 3, 3), bias=torch.randn(3, dtype=torch.float64),
+    )  # fmt: skip
+    assert empty.nnz == 0
+    _check_against_dense(empty, torch.randn(2, 2, 5, 5, dtype=torch.float64), path)
+
+
+def test_empty_batch():
+    layer = snack.SparseConv2d(2, 3, 3, padding=1)
+    x = torch.randn(0, 2, 5, 5, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 3, 5, 5)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(layer.values.grad, torch.zeros_like(layer.values))
+
+
+@pytest.mark.parametrize("geometry", [dict(kernel_size=3, padding=1), dict(kernel_size=2, stride=2, dilation=1),
+                                      dict(kernel_size=3, dilation=2, padding_mode="reflect", padding=2)], ids=str)
+def test_gradcheck_and_gradgradcheck_on_the_native_kernels(geometry):
+    layer = snack.SparseConv2d(2, 3, sparsity=0.5, dtype=torch.float64, **geometry)
+    x = torch.randn(2, 2, 6, 5, dtype=torch.float64, requires_grad=True)
+
+    def conv(x, values, bias):
+        return torch.func.functional_call(layer, {"values": values, "bias": bias}, (x,))
+
+    inputs = (x, layer.values.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_())
+    assert torch.autograd.gradcheck(conv, inputs)
+    assert torch.autograd.gradgradcheck(conv, inputs)
+
+
+def test_native_kernels_run_and_are_skipped_where_they_should(monkeypatch):
+    calls = []
+    original = snack.backends.cpu.conv.direct_conv2d
+
+    def spy(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(snack.backends.cpu.conv, "direct_conv2d", spy)
+    layer = snack.SparseConv2d(3, 4, 3, sparsity=0.5)
+    x = torch.randn(2, 3, 6, 6)
+    layer(x)
+    assert calls == [1]
+    with snack.use_backend("reference"):
+        layer(x)
+    full = snack.SparseConv2d(3, 4, 3, sparsity=0.0)
+    assert full.nnz == 4 * 27
+    torch.testing.assert_close(full(x), _dense_twin(full)(x))  # F.conv2d on the values
+    assert calls == [1]
+
+
+def test_full_layer_matches_dense_gradients():
+    layer = snack.SparseConv2d(3, 4, 3, padding=1, sparsity=0.0, dtype=torch.float64)
+    _check_against_dense(layer, torch.randn(2, 3, 7, 6, dtype=torch.float64), "native")
+
+
+def test_matches_sparse_linear_on_im2col_rows_in_float32():
+    layer = snack.SparseConv2d(8, 16, 3, padding=1, sparsity=0.9)
+    x = torch.randn(4, 8, 12, 12)
+    with snack.use_backend("cpu"):
+        y = layer(x)
+    torch.testing.assert_close(y, _dense_twin(layer)(x), atol=1e-5, rtol=1e-5)
+
+
+def test_from_dense_keeps_the_largest_weights_and_geometry():
+    conv = nn.Conv2d(4, 6, (3, 2), stride=2, padding=(1, 0), dilation=(2, 1), padding_mode="replicate")
+    layer = snack.SparseConv2d.from_dense(conv, sparsity=0.75)
+    assert (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.padding_mode) == (
+        (3, 2), (2, 2), (1, 0), (2, 1), "replicate")
+    assert layer.nnz == round(0.25 * conv.weight.numel())
+    kept = layer.to_dense() != 0
+    assert conv.weight.abs()[kept].min() >= conv.weight.abs()[~kept].max()
+    full = snack.SparseConv2d.from_dense(conv)
+    x = torch.randn(2, 4, 9, 8)
+    torch.testing.assert_close(full(x), conv(x), atol=1e-6, rtol=1e-5)
+    weight = snack.SparseConv2d.from_dense(conv.weight.detach(), stride=2, padding=(1, 0), dilation=(2, 1),
+                                           padding_mode="replicate", bias=conv.bias.detach())  # fmt: skip
+    torch.testing.assert_close(weight(x), conv(x), atol=1e-6, rtol=1e-5)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="groups must be 1"):
+        snack.SparseConv2d(4, 4, 3, groups=2)
+    with pytest.raises(ValueError, match="padding='same' needs stride 1"):
+        snack.SparseConv2d(4, 4, 3, stride=2, padding="same")
+    with pytest.raises(ValueError, match="padding_mode must be one of"):
+        snack.SparseConv2d(4, 4, 3, padding_mode="mirror")
+    with pytest.raises(ValueError, match="kernel_size must be a positive int"):
+        snack.SparseConv2d(4, 4, 0)
+    with pytest.raises(ValueError, match="padding must be a non-negative"):
+        snack.SparseConv2d(4, 4, 3, padding=-1)
+    with pytest.raises(ValueError, match="in_channels and out_channels must be positive"):
+        snack.SparseConv2d(0, 4, 3)
+    with pytest.raises(ValueError, match="groups must be 1"):
+        snack.SparseConv2d.from_dense(nn.Conv2d(4, 4, 3, groups=2))
+    with pytest.raises(ValueError, match="must not be given with an nn.Conv2d"):
+        snack.SparseConv2d.from_dense(nn.Conv2d(4, 4, 3), stride=2)
+    with pytest.raises(ValueError, match=r"must be \(out_channels, in_channels, kh, kw\)"):
+        snack.SparseConv2d.from_dense(torch.randn(4, 12))
+    layer = snack.SparseConv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r"input must have shape \(N, 3, H, W\) or \(3, H, W\), got \(2, 4, 8, 8\)"):
+        layer(torch.randn(2, 4, 8, 8))
+    with pytest.raises(ValueError, match="input must have shape"):
+        layer(torch.randn(2, 27))
+    with pytest.raises(ValueError, match="smaller than the dilated kernel"):
+        layer(torch.randn(1, 3, 2, 8))
+    with pytest.raises(TypeError, match="input dtype torch.float64 does not match the layer's torch.float32"):
+        layer(torch.randn(1, 3, 5, 5, dtype=torch.float64))
+    with pytest.raises(AttributeError, match=r"to_dense\(\)` builds the \(out_channels, in_channels, kh, kw\)"):
+        layer.weight
+
+
+def test_backward_after_values_changed_in_place_raises():
+    layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5)
+    y = layer(torch.randn(1, 2, 5, 5, requires_grad=True))
+    with torch.no_grad():
+        layer.values.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_state_dict_pickle_and_deepcopy_round_trip():
+    layer = snack.SparseConv2d(3, 4, 3, stride=2, padding=1, sparsity=0.8)
+    other = snack.SparseConv2d(3, 4, 3, stride=2, padding=1, sparsity=0.5)
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 3, 7, 7)
+    assert other.nnz == layer.nnz and torch.equal(other(x), layer(x))
+    for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert torch.equal(copied(x), layer(x)) and copied.stride == (2, 2)
+
+
+def test_sparsify_and_densify_convert_convolutions():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2),
+                        nn.Conv2d(8, 16, 3, stride=2), nn.Flatten(), nn.Linear(16 * 16, 10))  # fmt: skip
+    x = torch.randn(2, 3, 12, 12)
+    with pytest.warns(UserWarning, match=r"left 1 grouped convolution\(s\) dense: 2 \(groups=2\)"):
+        model = snack.sparsify(net, 0.7, distribution="erk")
+    assert [type(m).__name__ for m in model] == ["SparseConv2d", "ReLU", "Conv2d", "SparseConv2d", "Flatten",
+                                                 "SparseLinear"]  # fmt: skip
+    sparse = [m for m in model if isinstance(m, snack.SparseLinear)]
+    total = 8 * 27 + 16 * 72 + 10 * 256
+    assert abs(sum(m.nnz for m in sparse) - 0.3 * total) <= len(sparse)
+    y = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense = snack.densify(model)
+    assert [type(m).__name__ for m in dense] == ["Conv2d", "ReLU", "Conv2d", "Conv2d", "Flatten", "Linear"]
+    assert dense[3].stride == (2, 2)
+    torch.testing.assert_close(dense(x), y, atol=1e-5, rtol=1e-5)
+
+
+def test_erk_is_kernel_aware():
+    shapes = {"conv": (64, 3, 7, 7), "linear": (10, 512)}
+    densities = snack.distributions.erk_densities(shapes, 0.2)
+    sizes = {"conv": 64 * 3 * 49, "linear": 5120}
+    assert abs(sum(densities[n] * sizes[n] for n in shapes) - 0.2 * sum(sizes.values())) < 1e-6
+    ratio = densities["conv"] / densities["linear"]
+    assert ratio == pytest.approx(((64 + 3 + 7 + 7) / sizes["conv"]) / ((10 + 512) / sizes["linear"]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_rigl_records_give_the_dense_weight_gradient(path):
+    layer = snack.SparseConv2d(3, 4, 3, stride=2, padding=1, sparsity=0.6, dtype=torch.float64)
+    capture = GradientCapture([layer])
+    capture.arm()
+    x = torch.randn(3, 3, 9, 8, dtype=torch.float64)
+    _run(layer, x, path).square().sum().backward()
+    x_rows, dy_rows = capture.batch(0)
+    dense = _dense_twin(layer)
+    dense(x).square().sum().backward()
+    torch.testing.assert_close(dy_rows.T @ x_rows, dense.weight.grad.reshape(4, -1))
+    capture.disarm()
+
+
+def test_rigl_trains_a_small_cnn():
+    model = nn.Sequential(snack.SparseConv2d(1, 8, 3, padding=1, sparsity=0.8), nn.ReLU(inplace=True),
+                          snack.SparseConv2d(8, 8, 3, stride=2, sparsity=0.8), nn.Flatten(),
+                          snack.SparseLinear(8 * 9, 3, sparsity=0.5))  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=2, total_steps=12, schedule="constant")
+    x, target = torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))
+    before = [(m.row.clone(), m.col.clone()) for m in (model[0], model[2])]
+    nnz = [model[0].nnz, model[2].nnz]
+    for _ in range(6):
+        loss = F.cross_entropy(model(x), target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dst.step()
+    assert [model[0].nnz, model[2].nnz] == nnz
+    for (row, col), layer in zip(before, (model[0], model[2])):
+        assert not (torch.equal(row, layer.row) and torch.equal(col, layer.col))
+        _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, 8, 8, dtype=torch.float64), "native")
+
+
+def test_no_out_by_in_tensor_in_a_training_step():
+    with LargestTensorMode() as mode:
+        layer = snack.SparseConv2d(64, 512, 3, padding=1, sparsity=0.95)
+        x = torch.randn(1, 64, 6, 6, requires_grad=True)
+        layer(x).square().sum().backward()
+        torch.optim.Adam(layer.parameters()).step()
+    assert layer.values.grad is not None and x.grad is not None
+    out_by_in = 512 * 64 * 9
+    assert mode.largest < out_by_in // 4, f"{mode.largest_op} produced {mode.largest} elements"
+
+
+def test_tracing_compiling_and_autocast_follow_the_im2col_path():
+    model = nn.Sequential(snack.SparseConv2d(3, 4, 3, padding=1, sparsity=0.5), nn.ReLU())
+    x = torch.randn(2, 3, 6, 6)
+    expected = model(x)
+    torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected)
+    torch.testing.assert_close(torch.fx.symbolic_trace(model[0])(x), model[0](x))
+    torch.testing.assert_close(torch.jit.trace(model, x)(x), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), expected,
+                               atol=1e-6, rtol=1e-5)  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(x)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), expected, atol=0.1, rtol=0.05)
+
+
+def test_per_sample_gradients_by_torch_func():
+    layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5, dtype=torch.float64)
+    params = {"values": layer.values.detach(), "bias": layer.bias.detach()}
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+
+    def loss(params, sample):
+        return torch.func.functional_call(layer, params, (sample,)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(4):
+        torch.testing.assert_close(per_sample["values"][i], torch.func.grad(loss)(params, x[i])["values"])
