@@ -73,20 +73,13 @@ class _DirectConv2d(torch.autograd.Function):
             return (*_gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
                     None, None, None)  # fmt: skip
         topology, g = ctx.topology, ctx.geometry
-        dy = dy.contiguous()
-        dx = dvalues = dbias = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.ops.snack_cpu.conv2d_input_grad(
-                dy, values, topology.row, topology.col, topology.csc_perm, topology.colptr, x.shape[1:],
-                g.kernel, g.stride, g.dilation,
-            )  # fmt: skip
-        if ctx.needs_input_grad[1]:
-            dvalues = torch.ops.snack_cpu.conv2d_values_grad(
-                dy, x, topology.rowptr, topology.col, g.kernel, g.stride, g.dilation
-            )
-        if ctx.needs_input_grad[2]:
-            dbias = dy.sum((0, 2, 3))
-        return dx, dvalues, dbias, None, None, None
+        needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
+        dx, dvalues = torch.ops.snack_cpu.conv2d_backward(
+            dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
+            g.kernel, g.stride, g.dilation, needs_input, needs_values,
+        )  # fmt: skip
+        dbias = dy.sum((0, 2, 3)) if needs_bias else None
+        return dx if needs_input else None, dvalues if needs_values else None, dbias, None, None, None
 
 
 def _gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:
