@@ -100,6 +100,15 @@ def test_empty_output_channels_and_no_connections(path):
     _check_against_dense(empty, torch.randn(2, 2, 5, 5, dtype=torch.float64), path)
 
 
+@pytest.mark.parametrize("stride", [1, (2, 1), (1, 2)])
+def test_rows_and_columns_of_many_connections(stride):
+    # passes of up to eight connections per row (forward, values gradient) and per column (input
+    # gradient): 16 output channels over 2 input channels at 95% density fill every pass size
+    layer = snack.SparseConv2d(2, 16, 3, stride=stride, padding=1, sparsity=0.05, dtype=torch.float64)
+    assert layer.nnz < 16 * 18  # not full: the native kernels run
+    _check_against_dense(layer, torch.randn(3, 2, 9, 10, dtype=torch.float64), "native")
+
+
 def test_empty_batch():
     layer = snack.SparseConv2d(2, 3, 3, padding=1)
     x = torch.randn(0, 2, 5, 5, requires_grad=True)

@@ -99,25 +99,27 @@ struct Walk {
 Walk flat_walk(const Geometry& g) { return {1, g.run(), 0, 0, 1}; }
 Walk row_walk(const Geometry& g) { return {g.Ho, g.Wo, g.Wo, g.sh * g.Wp, g.sw}; }
 
-// Up to four connections are handled per pass (kTaps): one pass over the plane per four. kUnit:
-// window_col is 1, so the loop vectorises with plain loads rather than gathers.
+// Up to kPass connections are handled per pass (kTaps): one load and store of each output element
+// per kPass multiply-adds. Eight rather than four: forward and input gradient 1.05-1.25x faster
+// (kernel A/B, AMD Zen 4; the values gradient, which stores nothing per element, the same within
+// noise). kUnit: window_col is 1, so the loop vectorises with plain loads rather than gathers.
+constexpr int kPass = 8;
 
 // plane[e] += Σ_t v[t] · window_t[e]: the forward.
 template <typename scalar_t, int kTaps, bool kUnit>
 void add_windows(scalar_t* __restrict plane, const scalar_t* const* window, const scalar_t* v, const Walk& walk) {
   const int64_t step = kUnit ? 1 : walk.window_col;
+  scalar_t w[kTaps];
+  for (int t = 0; t < kTaps; ++t) w[t] = v[t];
   for (int64_t r = 0; r < walk.rows; ++r) {
     scalar_t* __restrict out = plane + r * walk.plane_row;
-    const scalar_t* __restrict s0 = window[0] + r * walk.window_row;
-    const scalar_t* __restrict s1 = window[kTaps > 1 ? 1 : 0] + r * walk.window_row;
-    const scalar_t* __restrict s2 = window[kTaps > 2 ? 2 : 0] + r * walk.window_row;
-    const scalar_t* __restrict s3 = window[kTaps > 3 ? 3 : 0] + r * walk.window_row;
+    const scalar_t* s[kTaps];
+    for (int t = 0; t < kTaps; ++t) s[t] = window[t] + r * walk.window_row;
 #pragma omp simd
     for (int64_t e = 0; e < walk.len; ++e) {
-      scalar_t sum = out[e] + v[0] * s0[e * step];
-      if (kTaps > 1) sum += v[1] * s1[e * step];
-      if (kTaps > 2) sum += v[2] * s2[e * step];
-      if (kTaps > 3) sum += v[3] * s3[e * step];
+      scalar_t sum = out[e];
+#pragma GCC unroll 8
+      for (int t = 0; t < kTaps; ++t) sum += w[t] * s[t][e * step];
       out[e] = sum;
     }
   }
@@ -128,18 +130,17 @@ void add_windows(scalar_t* __restrict plane, const scalar_t* const* window, cons
 template <typename scalar_t, int kTaps, bool kUnit>
 void scatter_planes(scalar_t* __restrict window, const scalar_t* const* plane, const scalar_t* v, const Walk& walk) {
   const int64_t step = kUnit ? 1 : walk.window_col;
+  scalar_t w[kTaps];
+  for (int t = 0; t < kTaps; ++t) w[t] = v[t];
   for (int64_t r = 0; r < walk.rows; ++r) {
     scalar_t* __restrict out = window + r * walk.window_row;
-    const scalar_t* __restrict s0 = plane[0] + r * walk.plane_row;
-    const scalar_t* __restrict s1 = plane[kTaps > 1 ? 1 : 0] + r * walk.plane_row;
-    const scalar_t* __restrict s2 = plane[kTaps > 2 ? 2 : 0] + r * walk.plane_row;
-    const scalar_t* __restrict s3 = plane[kTaps > 3 ? 3 : 0] + r * walk.plane_row;
+    const scalar_t* s[kTaps];
+    for (int t = 0; t < kTaps; ++t) s[t] = plane[t] + r * walk.plane_row;
 #pragma omp simd
     for (int64_t e = 0; e < walk.len; ++e) {
-      scalar_t sum = out[e * step] + v[0] * s0[e];
-      if (kTaps > 1) sum += v[1] * s1[e];
-      if (kTaps > 2) sum += v[2] * s2[e];
-      if (kTaps > 3) sum += v[3] * s3[e];
+      scalar_t sum = out[e * step];
+#pragma GCC unroll 8
+      for (int t = 0; t < kTaps; ++t) sum += w[t] * s[t][e];
       out[e * step] = sum;
     }
   }
@@ -175,18 +176,21 @@ void window_dots(const scalar_t* __restrict plane, const scalar_t* const* window
   }
 }
 
-// The kernels above for a run-time count of connections (1-4) and walk.
+// The kernels above for a run-time count of connections (1 to kPass) and walk.
+#define SNACK_CONV_CASE(kernel, n, ...)                                                  \
+  case 2 * n: kernel<scalar_t, n, false>(__VA_ARGS__); break;                             \
+  case 2 * n + 1: kernel<scalar_t, n, true>(__VA_ARGS__); break;
 #define SNACK_CONV_DISPATCH(kernel, count, unit, ...)                                   \
   do {                                                                                  \
     switch ((count) * 2 + ((unit) ? 1 : 0)) {                                           \
-      case 2: kernel<scalar_t, 1, false>(__VA_ARGS__); break;                           \
-      case 3: kernel<scalar_t, 1, true>(__VA_ARGS__); break;                            \
-      case 4: kernel<scalar_t, 2, false>(__VA_ARGS__); break;                           \
-      case 5: kernel<scalar_t, 2, true>(__VA_ARGS__); break;                            \
-      case 6: kernel<scalar_t, 3, false>(__VA_ARGS__); break;                           \
-      case 7: kernel<scalar_t, 3, true>(__VA_ARGS__); break;                            \
-      case 8: kernel<scalar_t, 4, false>(__VA_ARGS__); break;                           \
-      default: kernel<scalar_t, 4, true>(__VA_ARGS__); break;                           \
+      SNACK_CONV_CASE(kernel, 1, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 2, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 3, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 4, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 5, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 6, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 7, __VA_ARGS__)                                           \
+      SNACK_CONV_CASE(kernel, 8, __VA_ARGS__)                                           \
     }                                                                                   \
   } while (0)
 
@@ -224,7 +228,7 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
     at::parallel_for(0, N * O, 1, [&](int64_t begin, int64_t end) {
       // the flat walk sums into a plane laid out Wp wide, then keeps each row's first Wo
       std::vector<scalar_t> wide(flat ? g.run() : 0);
-      const scalar_t* window[4];
+      const scalar_t* window[kPass];
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / O, o = task % O;
         const scalar_t start = bd != nullptr ? bd[o] : scalar_t(0);
@@ -232,8 +236,8 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
         scalar_t* sums = flat ? wide.data() : plane;
         std::fill_n(sums, flat ? g.run() : g.plane_out(), start);
         const scalar_t* sample = xd + n * g.C * g.plane_in();
-        for (int64_t k = rp[o]; k < rp[o + 1]; k += 4) {
-          const int64_t count = std::min<int64_t>(4, rp[o + 1] - k);
+        for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
+          const int64_t count = std::min<int64_t>(kPass, rp[o + 1] - k);
           for (int64_t t = 0; t < count; ++t) window[t] = sample + taps.channel[k + t] * g.plane_in() + taps.offset[k + t];
           SNACK_CONV_DISPATCH(add_windows, count, flat || g.sw == 1, sums, window, vd + k, walk);
         }
@@ -283,15 +287,15 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
       const int32_t* cp = colptr.data_ptr<int32_t>();
       scalar_t* dxd = dx.data_ptr<scalar_t>();
       at::parallel_for(0, N * g.C, 1, [&](int64_t begin, int64_t end) {
-        scalar_t v[4];
-        const scalar_t* plane[4];
+        scalar_t v[kPass];
+        const scalar_t* plane[kPass];
         for (int64_t task = begin; task < end; ++task) {
           const int64_t n = task / g.C, c = task % g.C;
           scalar_t* dx_plane = dxd + task * g.plane_in();
           const scalar_t* sample = dyd + n * O * dy_plane;
           for (int64_t column = c * taps_per_channel; column < (c + 1) * taps_per_channel; ++column) {
-            for (int64_t p = cp[column]; p < cp[column + 1]; p += 4) {
-              const int64_t count = std::min<int64_t>(4, cp[column + 1] - p);
+            for (int64_t p = cp[column]; p < cp[column + 1]; p += kPass) {
+              const int64_t count = std::min<int64_t>(kPass, cp[column + 1] - p);
               for (int64_t t = 0; t < count; ++t) {
                 const int64_t k = perm[p + t];
                 v[t] = vd[k];
@@ -309,14 +313,14 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
       // samples outermost inside a task: one sample's input planes and output gradients stay in
       // cache while the task's connections are scored against them
       at::parallel_for(0, O, 1, [&](int64_t first, int64_t last) {
-        const scalar_t* window[4];
-        scalar_t dots[4];
+        const scalar_t* window[kPass];
+        scalar_t dots[kPass];
         for (int64_t n = 0; n < N; ++n) {
           const scalar_t* sample = xd + n * g.C * g.plane_in();
           for (int64_t o = first; o < last; ++o) {
             const scalar_t* plane = dyd + (n * O + o) * dy_plane;
-            for (int64_t k = rp[o]; k < rp[o + 1]; k += 4) {
-              const int64_t count = std::min<int64_t>(4, rp[o + 1] - k);
+            for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
+              const int64_t count = std::min<int64_t>(kPass, rp[o + 1] - k);
               for (int64_t t = 0; t < count; ++t) {
                 window[t] = sample + taps.channel[k + t] * g.plane_in() + taps.offset[k + t];
               }
