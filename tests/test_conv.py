@@ -109,6 +109,30 @@ def test_rows_and_columns_of_many_connections(stride):
     _check_against_dense(layer, torch.randn(3, 2, 9, 10, dtype=torch.float64), "native")
 
 
+@pytest.mark.parametrize("frozen", ["values", "bias", "input"])
+def test_gradients_of_whatever_requires_them(frozen):
+    layer = snack.SparseConv2d(3, 4, 3, padding=1, sparsity=0.5, dtype=torch.float64)
+    dense = _dense_twin(layer)
+    if frozen != "input":
+        getattr(layer, frozen).requires_grad_(False)
+    x = torch.randn(2, 3, 6, 7, dtype=torch.float64, requires_grad=frozen != "input")
+    x_dense = x.detach().clone().requires_grad_(frozen != "input")
+    dy = torch.randn(2, 4, 6, 7, dtype=torch.float64)
+    layer(x).backward(dy)
+    dense(x_dense).backward(dy)
+    if frozen != "values":
+        flat = dense.weight.grad.reshape(4, -1)[layer.row.long(), layer.col.long()]
+        torch.testing.assert_close(layer.values.grad, flat)
+    else:
+        assert layer.values.grad is None
+    if frozen != "bias":
+        torch.testing.assert_close(layer.bias.grad, dense.bias.grad)
+    else:
+        assert layer.bias.grad is None
+    if frozen != "input":
+        torch.testing.assert_close(x.grad, x_dense.grad)
+
+
 def test_empty_batch():
     layer = snack.SparseConv2d(2, 3, 3, padding=1)
     x = torch.randn(0, 2, 5, 5, requires_grad=True)

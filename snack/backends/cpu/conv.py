@@ -74,12 +74,12 @@ class _DirectConv2d(torch.autograd.Function):
                     None, None, None)  # fmt: skip
         topology, g = ctx.topology, ctx.geometry
         needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
-        dx, dvalues = torch.ops.snack_cpu.conv2d_backward(
+        dx, dvalues, dbias = torch.ops.snack_cpu.conv2d_backward(
             dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
-            g.kernel, g.stride, g.dilation, needs_input, needs_values,
+            g.kernel, g.stride, g.dilation, needs_input, needs_values, needs_bias,
         )  # fmt: skip
-        dbias = dy.sum((0, 2, 3)) if needs_bias else None
-        return dx if needs_input else None, dvalues if needs_values else None, dbias, None, None, None
+        grads = (dx, dvalues, dbias)
+        return (*(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
 
 
 def _gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:

@@ -8,10 +8,11 @@
 //                   kernel, stride, dilation)                          -> y (N, out, Ho, Wo)
 //       y[n, o] = bias[o] + Σ_{k in row o} values[k] · window_k(x[n, c_k])
 //   conv2d_backward (dy (N, out, Ho, Wo), x, values, row, col, rowptr, csc_perm, colptr, kernel,
-//                    stride, dilation, input_grad, values_grad)        -> (dx (N, C, Hp, Wp), dvalues (nnz,))
+//                    stride, dilation, input_grad, values_grad, bias_grad)
+//                                          -> (dx (N, C, Hp, Wp), dvalues (nnz,), dbias (out,))
 //       dx: the adjoint, each connection adds values[k] · dy[n, row_k] into its window of dx[n, c_k];
-//       dvalues[k] = Σ_n Σ_{h,w} dy[n, row_k, h, w] · window_k(x[n, c_k])[h, w]; each is an empty
-//       tensor when not asked for.
+//       dvalues[k] = Σ_n Σ_{h,w} dy[n, row_k, h, w] · window_k(x[n, c_k])[h, w];
+//       dbias[o] = Σ_n Σ_{h,w} dy[n, o, h, w]; each is empty (first dimension 0) when not asked for.
 //
 // window_k(plane)[h, w] = plane[h·sh + i·dh, w·sw + j·dw], the (Ho, Wo) patch tap (i, j) reads.
 //
@@ -250,10 +251,36 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> conv2d_backward(
+// dy (N, out, Ho, Wo) as the flat walk reads it: each row Wp wide, zeros past its Wo (a zero times
+// a window element adds nothing to a dot, and zero to a dx element). One pass, in parallel: the
+// zeros are written, not filled in first (constant_pad_nd filled everything, then copied).
+template <typename scalar_t>
+at::Tensor widened(const at::Tensor& dy, const Geometry& g) {
+  auto wide = at::empty({dy.size(0), dy.size(1), g.Ho, g.Wp}, dy.options());
+  const scalar_t* src = dy.data_ptr<scalar_t>();
+  scalar_t* dst = wide.data_ptr<scalar_t>();
+  at::parallel_for(0, dy.size(0) * dy.size(1) * g.Ho, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy_n(src + r * g.Wo, g.Wo, dst + r * g.Wp);
+      std::fill_n(dst + r * g.Wp + g.Wo, g.Wp - g.Wo, scalar_t(0));
+    }
+  });
+  return wide;
+}
+
+template <typename scalar_t>
+scalar_t plane_sum(const scalar_t* __restrict plane, int64_t size) {
+  scalar_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t e = 0; e < size; ++e) sum += plane[e];
+  return sum;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
     const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& values, const at::Tensor& row,
     const at::Tensor& col, const at::Tensor& rowptr, const at::Tensor& csc_perm, const at::Tensor& colptr,
-    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, bool input_grad, bool values_grad) {
+    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, bool input_grad, bool values_grad,
+    bool bias_grad) {
   check_topology(values, col, rowptr, "conv2d_backward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
               "conv2d_backward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
@@ -266,17 +293,22 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
                   csc_perm.scalar_type() == at::kInt && colptr.numel() == g.C * taps_per_channel + 1 &&
                   colptr.scalar_type() == at::kInt,
               "conv2d_backward: row, csc_perm (nnz,) and colptr (C·kh·kw + 1,) int32 expected");
-  auto dx = input_grad ? at::zeros({N, g.C, g.Hp, g.Wp}, x.options()) : at::empty({0}, x.options());
-  auto dvalues = values_grad ? at::zeros({nnz}, x.options()) : at::empty({0}, x.options());
-  if (N == 0 || nnz == 0 || g.plane_out() == 0 || !(input_grad || values_grad)) return {dx, dvalues};
+  // dx is zeroed plane by plane by its tasks, in cache (at::zeros was a pass over memory of its own)
+  auto dx = at::empty({input_grad ? N : 0, g.C, g.Hp, g.Wp}, x.options());
+  auto dvalues = at::zeros({values_grad ? nnz : 0}, x.options());
+  auto dbias = at::zeros({bias_grad ? O : 0}, x.options());
+  if (N == 0 || g.plane_out() == 0) {
+    dx.zero_();
+    return {dx, dvalues, dbias};
+  }
   const bool flat = g.flat();
   const Walk walk = flat ? flat_walk(g) : row_walk(g);
-  // The flat walk reads dy laid out Wp wide, zeros past each row's Wo: widened once here, for both
-  // gradients (a zero times a window element adds nothing to a dot, and zero to a dx element).
-  const at::Tensor dy = flat ? at::constant_pad_nd(dy_in, {0, g.Wp - g.Wo}).contiguous() : dy_in.contiguous();
+  const at::Tensor contiguous = dy_in.contiguous();
   const int64_t dy_plane = flat ? g.Ho * g.Wp : g.plane_out();
   const Taps taps = decode_taps(col, g);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_backward", [&] {
+    const at::Tensor dy = flat && g.Wp != g.Wo && nnz > 0 ? widened<scalar_t>(contiguous, g) : contiguous;
+    const int64_t plane_stride = dy.size(3) == g.Wp ? g.Ho * g.Wp : g.plane_out();
     const scalar_t* xd = x.data_ptr<scalar_t>();
     const scalar_t* dyd = dy.data_ptr<scalar_t>();
     const scalar_t* vd = values.data_ptr<scalar_t>();
@@ -292,14 +324,15 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
         for (int64_t task = begin; task < end; ++task) {
           const int64_t n = task / g.C, c = task % g.C;
           scalar_t* dx_plane = dxd + task * g.plane_in();
-          const scalar_t* sample = dyd + n * O * dy_plane;
+          std::fill_n(dx_plane, g.plane_in(), scalar_t(0));
+          const scalar_t* sample = dyd + n * O * plane_stride;
           for (int64_t column = c * taps_per_channel; column < (c + 1) * taps_per_channel; ++column) {
             for (int64_t p = cp[column]; p < cp[column + 1]; p += kPass) {
               const int64_t count = std::min<int64_t>(kPass, cp[column + 1] - p);
               for (int64_t t = 0; t < count; ++t) {
                 const int64_t k = perm[p + t];
                 v[t] = vd[k];
-                plane[t] = sample + rd[k] * dy_plane;
+                plane[t] = sample + rd[k] * plane_stride;
               }
               SNACK_CONV_DISPATCH(scatter_planes, count, unit, dx_plane + taps.offset[perm[p]], plane, v, walk);
             }
@@ -307,18 +340,22 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
         }
       });
     }
-    if (values_grad) {
+    if (values_grad || bias_grad) {
       const int32_t* rp = rowptr.data_ptr<int32_t>();
       scalar_t* dvd = dvalues.data_ptr<scalar_t>();
+      scalar_t* dbd = dbias.data_ptr<scalar_t>();
       // samples outermost inside a task: one sample's input planes and output gradients stay in
-      // cache while the task's connections are scored against them
+      // cache while the task's connections are scored against them (and the bias gradient sums
+      // each plane while it is there)
       at::parallel_for(0, O, 1, [&](int64_t first, int64_t last) {
         const scalar_t* window[kPass];
         scalar_t dots[kPass];
         for (int64_t n = 0; n < N; ++n) {
           const scalar_t* sample = xd + n * g.C * g.plane_in();
           for (int64_t o = first; o < last; ++o) {
-            const scalar_t* plane = dyd + (n * O + o) * dy_plane;
+            const scalar_t* plane = dyd + (n * O + o) * plane_stride;
+            if (bias_grad) dbd[o] += plane_sum(plane, plane_stride);  // a widened plane's extra columns are 0
+            if (!values_grad) continue;
             for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
               const int64_t count = std::min<int64_t>(kPass, rp[o + 1] - k);
               for (int64_t t = 0; t < count; ++t) {
@@ -332,7 +369,7 @@ std::tuple<at::Tensor, at::Tensor> conv2d_backward(
       });
     }
   });
-  return {dx, dvalues};
+  return {dx, dvalues, dbias};
 }
 
 #undef SNACK_CONV_DISPATCH
@@ -346,7 +383,7 @@ TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
   m.def(
       "conv2d_backward(Tensor dy, Tensor x, Tensor values, Tensor row, Tensor col, Tensor rowptr, "
       "Tensor csc_perm, Tensor colptr, int[2] kernel, int[2] stride, int[2] dilation, bool input_grad, "
-      "bool values_grad) -> (Tensor, Tensor)");
+      "bool values_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
