@@ -404,6 +404,26 @@ def test_a_training_step_runs_the_fused_backward(monkeypatch):
     assert calls == [{"bias_grad": True}]
 
 
+def test_a_convolution_runs_im2col_through_the_triton_kernels():
+    # SparseConv2d's native kernels are the CPU's: on the Triton backend (a GPU, or the interpreter
+    # here) its im2col rows go through SparseLinear's ops; checked against nn.Conv2d
+    layer = snack.SparseConv2d(3, 5, 3, stride=2, padding=1, sparsity=0.6).to(DEVICE)
+    dense = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(DEVICE)
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+        dense.bias.copy_(layer.bias)
+    x = torch.randn(2, 3, 9, 8, device=DEVICE, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_()
+    with snack.use_backend("triton"):
+        y = layer(x)
+        y.square().sum().backward()
+    dense(x_dense).square().sum().backward()
+    torch.testing.assert_close(y, dense(x_dense), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
+    flat = dense.weight.grad.reshape(5, -1)[layer.row.long(), layer.col.long()]
+    torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, batch, launches):
     """Every CUDA op costs 15-20 µs of host time on the H200 machine, more than the kernels at
