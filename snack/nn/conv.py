@@ -184,11 +184,11 @@ class SparseConv2d(SparseLinear):
                 f"or ({self.in_channels}, H, W), got {tuple(input.shape)}"
             )
         batched = input.dim() == 4
-        x = self._padded(input if batched else input.unsqueeze(0))
+        x = input if batched else input.unsqueeze(0)
         self._check_size(x)
         y = self._fast_forward(x)
         if y is None:
-            y = self._through_rows(x, lambda rows: SparseLinear.forward(self, rows))
+            y = self._through_rows(self._padded(x), lambda rows: SparseLinear.forward(self, rows))
         return y if batched else y.squeeze(0)
 
     def _padded(self, x: Tensor) -> Tensor:
@@ -210,15 +210,17 @@ class SparseConv2d(SparseLinear):
 
     def _check_size(self, x: Tensor) -> None:
         (kh, kw), (dh, dw) = self.kernel_size, self.dilation
-        if x.shape[-2] < dh * (kh - 1) + 1 or x.shape[-1] < dw * (kw - 1) + 1:
+        left, right, top, bottom = self._padding_amounts()
+        height, width = x.shape[-2] + top + bottom, x.shape[-1] + left + right
+        if height < dh * (kh - 1) + 1 or width < dw * (kw - 1) + 1:
             raise ValueError(
-                f"SparseConv2d: the input, padded to {tuple(x.shape[-2:])}, is smaller than the dilated kernel "
+                f"SparseConv2d: the input, padded to {(height, width)}, is smaller than the dilated kernel "
                 f"({dh * (kh - 1) + 1}, {dw * (kw - 1) + 1})"
             )
 
     def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The convolution by the native kernels or, for a full topology, ``F.conv2d``; ``None``
-        where neither applies (the im2col path runs)."""
+        """The convolution of unpadded ``x`` by the native kernels or, for a full topology,
+        ``F.conv2d``; ``None`` where neither applies (the im2col path runs)."""
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
             return None
         if torch._C._is_any_autocast_enabled():
@@ -228,16 +230,23 @@ class SparseConv2d(SparseLinear):
             return None  # the im2col path's checks name the problem
         if x.dtype != values.dtype or x.device != values.device:
             return None
-        geometry = direct.ConvGeometry(self.kernel_size, self.stride, self.dilation)
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
-            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation)
+            return F.conv2d(self._padded(x), weight, bias, self.stride, 0, self.dilation)
         if not direct.applies(x, values):
             return None
+        # zero padding is the kernels' own (their input gradient then comes without it); other
+        # modes pad first
+        zeros = self.padding_mode == "zeros"
+        geometry = direct.ConvGeometry(
+            self.kernel_size, self.stride, self.dilation, self._padding_amounts() if zeros else (0, 0, 0, 0)
+        )
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-            return self._through_rows(x, lambda rows: _sparse_linear(rows, values, topology, bias))
+            padded = self._padded(x) if zeros else x
+            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, topology, bias))
 
+        x = x if zeros else self._padded(x)
         return direct.direct_conv2d(x.contiguous(), values, bias, topology, geometry, recompute)
 
     def _im2col(self, x: Tensor) -> tuple[Tensor, tuple]:

@@ -1,7 +1,7 @@
 """The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``),
 as one autograd node.
 
-Shapes: ``x (N, C, Hp, Wp)`` already padded, ``values (nnz,)``, ``bias (out,)`` or ``None`` →
+Shapes: ``x (N, C, H, W)`` (padded here with zeros, or already with another mode), ``values (nnz,)``, ``bias (out,)`` or ``None`` →
 ``y (N, out, Ho, Wo)``. The kernels compute float32 and float64; other dtypes, autocast regions,
 compiled or traced code and ``torch.func`` transforms take the layer's im2col path instead
 (:meth:`snack.SparseConv2d.forward` decides).
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from snack import backends
@@ -24,11 +25,13 @@ KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 class ConvGeometry(NamedTuple):
-    """Kernel size, stride and dilation, each ``(height, width)``."""
+    """Kernel size, stride and dilation, each ``(height, width)``, and the zero padding
+    ``(left, right, top, bottom)`` the convolution adds itself (other padding modes pad first)."""
 
     kernel: tuple[int, int]
     stride: tuple[int, int]
     dilation: tuple[int, int]
+    zero_padding: tuple[int, int, int, int]
 
 
 def applies(x: Tensor, values: Tensor) -> bool:
@@ -46,7 +49,9 @@ def direct_conv2d(
     x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
     recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor],
 ) -> Tensor:
-    """``y (N, out, Ho, Wo)`` of padded, contiguous ``x (N, C, Hp, Wp)``; see the module docstring.
+    """``y (N, out, Ho, Wo)`` of contiguous ``x (N, C, H, W)``, padded here by
+    ``geometry.zero_padding``; see the module docstring. (Padding here, not before the call,
+    lets the backward return the input gradient without the padding, in one pass.)
 
     ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
     itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own."""
@@ -56,18 +61,19 @@ def direct_conv2d(
 class _DirectConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, bias, topology, geometry, recompute):
+        padded = F.pad(x, geometry.zero_padding) if any(geometry.zero_padding) else x
         y = torch.ops.snack_cpu.conv2d_forward(
-            x, values, topology.rowptr, topology.col, bias, geometry.kernel, geometry.stride, geometry.dilation
+            padded, values, topology.rowptr, topology.col, bias, geometry.kernel, geometry.stride, geometry.dilation
         )
         # values saved too: autograd's version check then refuses a backward after values changed
-        # (a rewire, an in-place clamp), as the layer's other paths do
-        ctx.save_for_backward(x, values, bias)
+        # (a rewire, an in-place clamp), as the layer's other paths do; x for create_graph
+        ctx.save_for_backward(x, padded, values, bias)
         ctx.topology, ctx.geometry, ctx.recompute = topology, geometry, recompute
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, values, bias = ctx.saved_tensors
+        x, padded, values, bias = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph: differentiate the recomputed result, whose ops have derivatives of every order
             return (*_gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
@@ -75,8 +81,8 @@ class _DirectConv2d(torch.autograd.Function):
         topology, g = ctx.topology, ctx.geometry
         needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
         dx, dvalues, dbias = torch.ops.snack_cpu.conv2d_backward(
-            dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
-            g.kernel, g.stride, g.dilation, needs_input, needs_values, needs_bias,
+            dy, padded, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
+            g.kernel, g.stride, g.dilation, g.zero_padding, needs_input, needs_values, needs_bias,
         )  # fmt: skip
         grads = (dx, dvalues, dbias)
         return (*(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[:3])), None, None, None)

@@ -8,9 +8,11 @@
 //                   kernel, stride, dilation)                          -> y (N, out, Ho, Wo)
 //       y[n, o] = bias[o] + Σ_{k in row o} values[k] · window_k(x[n, c_k])
 //   conv2d_backward (dy (N, out, Ho, Wo), x, values, row, col, rowptr, csc_perm, colptr, kernel,
-//                    stride, dilation, input_grad, values_grad, bias_grad)
-//                                          -> (dx (N, C, Hp, Wp), dvalues (nnz,), dbias (out,))
-//       dx: the adjoint, each connection adds values[k] · dy[n, row_k] into its window of dx[n, c_k];
+//                    stride, dilation, crop, input_grad, values_grad, bias_grad)
+//                                          -> (dx (N, C, H, W), dvalues (nnz,), dbias (out,))
+//       dx: the adjoint, each connection adds values[k] · dy[n, row_k] into its window of dx[n, c_k],
+//       less the zero padding crop = (left, right, top, bottom) the caller added to x (H = Hp -
+//       top - bottom, W = Wp - left - right);
 //       dvalues[k] = Σ_n Σ_{h,w} dy[n, row_k, h, w] · window_k(x[n, c_k])[h, w];
 //       dbias[o] = Σ_n Σ_{h,w} dy[n, o, h, w]; each is empty (first dimension 0) when not asked for.
 //
@@ -286,8 +288,8 @@ scalar_t plane_sum(const scalar_t* __restrict plane, int64_t size) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
     const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& values, const at::Tensor& row,
     const at::Tensor& col, const at::Tensor& rowptr, const at::Tensor& csc_perm, const at::Tensor& colptr,
-    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, bool input_grad, bool values_grad,
-    bool bias_grad) {
+    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, at::IntArrayRef crop, bool input_grad,
+    bool values_grad, bool bias_grad) {
   check_topology(values, col, rowptr, "conv2d_backward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
               "conv2d_backward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
@@ -300,8 +302,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
                   csc_perm.scalar_type() == at::kInt && colptr.numel() == g.C * taps_per_channel + 1 &&
                   colptr.scalar_type() == at::kInt,
               "conv2d_backward: row, csc_perm (nnz,) and colptr (C·kh·kw + 1,) int32 expected");
-  // dx is zeroed plane by plane by its tasks, in cache (at::zeros was a pass over memory of its own)
-  auto dx = at::empty({input_grad ? N : 0, g.C, g.Hp, g.Wp}, x.options());
+  TORCH_CHECK(crop.size() == 4 && crop[0] >= 0 && crop[1] >= 0 && crop[2] >= 0 && crop[3] >= 0 &&
+                  crop[0] + crop[1] < g.Wp && crop[2] + crop[3] < g.Hp,
+              "conv2d_backward: crop must be (left, right, top, bottom), inside the padded input");
+  // dx of the input before its zero padding (crop): each task sums a padded plane in a buffer of
+  // its own and keeps the inside, where a padded dx cut by autograd took another pass over memory.
+  // Planes are zeroed by their tasks, in cache (at::zeros was a pass of its own).
+  const int64_t H = g.Hp - crop[2] - crop[3], W = g.Wp - crop[0] - crop[1];
+  const bool cropped = H != g.Hp || W != g.Wp;
+  auto dx = at::empty({input_grad ? N : 0, g.C, H, W}, x.options());
   auto dvalues = at::zeros({values_grad ? nnz : 0}, x.options());
   auto dbias = at::zeros({bias_grad ? O : 0}, x.options());
   if (N == 0 || g.plane_out() == 0) {
@@ -314,7 +323,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
   const int64_t dy_plane = flat ? g.Ho * g.Wp : g.plane_out();
   const Taps taps = decode_taps(col, g);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_backward", [&] {
-    const at::Tensor dy = flat && g.Wp != g.Wo && nnz > 0 ? widened<scalar_t>(contiguous, g) : contiguous;
+    const bool walks = nnz > 0 && (input_grad || values_grad);
+    const at::Tensor dy = flat && g.Wp != g.Wo && walks ? widened<scalar_t>(contiguous, g) : contiguous;
     const int64_t plane_stride = dy.size(3) == g.Wp ? g.Ho * g.Wp : g.plane_out();
     const scalar_t* xd = x.data_ptr<scalar_t>();
     const scalar_t* dyd = dy.data_ptr<scalar_t>();
@@ -328,9 +338,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
       at::parallel_for(0, N * g.C, 1, [&](int64_t begin, int64_t end) {
         scalar_t v[kPass];
         const scalar_t* plane[kPass];
+        std::vector<scalar_t> padded(cropped ? g.plane_in() : 0);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t n = task / g.C, c = task % g.C;
-          scalar_t* dx_plane = dxd + task * g.plane_in();
+          scalar_t* dx_plane = cropped ? padded.data() : dxd + task * g.plane_in();
           std::fill_n(dx_plane, g.plane_in(), scalar_t(0));
           const scalar_t* sample = dyd + n * O * plane_stride;
           for (int64_t column = c * taps_per_channel; column < (c + 1) * taps_per_channel; ++column) {
@@ -342,6 +353,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
                 plane[t] = sample + rd[k] * plane_stride;
               }
               SNACK_CONV_DISPATCH(scatter_planes, count, unit, dx_plane + taps.offset[perm[p]], plane, v, walk);
+            }
+          }
+          if (cropped) {
+            for (int64_t h = 0; h < H; ++h) {
+              std::copy_n(dx_plane + (h + crop[2]) * g.Wp + crop[0], W, dxd + (task * H + h) * W);
             }
           }
         }
@@ -389,8 +405,8 @@ TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
       "int[2] stride, int[2] dilation) -> Tensor");
   m.def(
       "conv2d_backward(Tensor dy, Tensor x, Tensor values, Tensor row, Tensor col, Tensor rowptr, "
-      "Tensor csc_perm, Tensor colptr, int[2] kernel, int[2] stride, int[2] dilation, bool input_grad, "
-      "bool values_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
+      "Tensor csc_perm, Tensor colptr, int[2] kernel, int[2] stride, int[2] dilation, int[4] crop, "
+      "bool input_grad, bool values_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
