@@ -133,6 +133,29 @@ def test_gradients_of_whatever_requires_them(frozen):
         torch.testing.assert_close(x.grad, x_dense.grad)
 
 
+def test_sample_blocks_of_the_values_gradient():
+    # 8x8 images: the values gradient sums blocks of 7 samples at once; 11 samples end in a partial one
+    layer = snack.SparseConv2d(6, 10, 3, padding=1, sparsity=0.7, dtype=torch.float64)
+    _check_against_dense(layer, torch.randn(11, 6, 8, 8, dtype=torch.float64), "native")
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    layer = snack.SparseConv2d(8, 12, 3, padding=1, sparsity=0.8)
+    x = torch.randn(9, 8, 10, 10, requires_grad=True)
+    dy = torch.randn(9, 12, 10, 10)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            y = layer(x)
+            results.append((y, *torch.autograd.grad(y, (x, layer.values, layer.bias), dy)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, other in zip(*results):
+        assert torch.equal(one, other)
+
+
 def test_empty_batch():
     layer = snack.SparseConv2d(2, 3, 3, padding=1)
     x = torch.randn(0, 2, 5, 5, requires_grad=True)
