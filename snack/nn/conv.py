@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +77,7 @@ class SparseConv2d(SparseLinear):
         dtype: torch.dtype | None = None,
     ):
         _check_channels(in_channels, out_channels)
-        geometry = _Geometry.checked(kernel_size, stride, padding, dilation, groups, padding_mode)
+        geometry = _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
         in_features = int(in_channels) * geometry["kernel_size"][0] * geometry["kernel_size"][1]
         super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
         self._set_geometry(int(in_channels), geometry)
@@ -132,7 +134,7 @@ class SparseConv2d(SparseLinear):
             raise TypeError(f"conv_or_weight must be an nn.Conv2d or a Tensor, got {type(conv_or_weight).__name__}")
         _reject_meta(weight.device)
         out_channels, in_channels, kh, kw = weight.shape
-        geometry = _Geometry.checked((kh, kw), stride, padding, dilation, 1, padding_mode)
+        geometry = _checked_geometry((kh, kw), stride, padding, dilation, 1, padding_mode)
         _check_channels(in_channels, out_channels)
         row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
         layer = cls._from_parts(in_channels * kh * kw, out_channels, row, col, values,
@@ -161,7 +163,7 @@ class SparseConv2d(SparseLinear):
             raise ValueError(f"shape must be (out_channels, in_channels, kh, kw), got {shape!r}")
         out_channels, in_channels, kh, kw = shape
         _check_channels(in_channels, out_channels)
-        geometry = _Geometry.checked((kh, kw), stride, padding, dilation, 1, padding_mode)
+        geometry = _checked_geometry((kh, kw), stride, padding, dilation, 1, padding_mode)
         kh, kw = geometry["kernel_size"]
         linear = SparseLinear.from_coo(row, col, values, (out_channels, in_channels * kh * kw), bias=bias)
         layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
@@ -178,14 +180,10 @@ class SparseConv2d(SparseLinear):
             return self._fx_forward(input)
         if not isinstance(input, Tensor):
             raise TypeError(f"SparseConv2d expects a Tensor input, got {type(input).__name__}")
-        if input.dim() not in (3, 4) or input.shape[-3] != self.in_channels:
-            raise ValueError(
-                f"SparseConv2d(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, H, W) "
-                f"or ({self.in_channels}, H, W), got {tuple(input.shape)}"
-            )
         batched = input.dim() == 4
         x = input if batched else input.unsqueeze(0)
-        self._check_size(x)
+        with _no_tracer_warnings():
+            self._check_input(input, x)
         y = self._fast_forward(x)
         if y is None:
             y = self._through_rows(self._padded(x), lambda rows: SparseLinear.forward(self, rows))
@@ -208,7 +206,14 @@ class SparseConv2d(SparseLinear):
         ph, pw = self.padding
         return (pw, pw, ph, ph)
 
-    def _check_size(self, x: Tensor) -> None:
+    def _check_input(self, input: Tensor, x: Tensor) -> None:
+        """Raise for an input of another number of channels or dimensions, or smaller than the
+        (dilated) kernel once padded; ``x`` is ``input`` with a batch dimension."""
+        if input.dim() not in (3, 4) or input.shape[-3] != self.in_channels:
+            raise ValueError(
+                f"SparseConv2d(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, H, W) "
+                f"or ({self.in_channels}, H, W), got {tuple(input.shape)}"
+            )
         (kh, kw), (dh, dw) = self.kernel_size, self.dilation
         left, right, top, bottom = self._padding_amounts()
         height, width = x.shape[-2] + top + bottom, x.shape[-1] + left + right
@@ -317,30 +322,40 @@ class SparseConv2d(SparseLinear):
 SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
 
 
-class _Geometry:
-    """Checks of ``nn.Conv2d``'s geometry arguments, giving the layer's attributes."""
+def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
+    """``nn.Conv2d``'s geometry arguments, checked, as the layer's attributes."""
+    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups != 1:
+        raise ValueError(
+            f"SparseConv2d: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
+            "block-diagonal, which random topologies and growth would not keep"
+        )
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"SparseConv2d: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+    kernel_size = _pair(kernel_size, "kernel_size", minimum=1)
+    stride = _pair(stride, "stride", minimum=1)
+    dilation = _pair(dilation, "dilation", minimum=1)
+    if isinstance(padding, str):
+        if padding not in ("valid", "same"):
+            raise ValueError(f"SparseConv2d: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
+        if padding == "same" and stride != (1, 1):
+            raise ValueError(f"SparseConv2d: padding='same' needs stride 1 (as nn.Conv2d), got stride={stride}")
+    else:
+        padding = _pair(padding, "padding", minimum=0)
+    return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
 
-    @staticmethod
-    def checked(kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
-        if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups != 1:
-            raise ValueError(
-                f"SparseConv2d: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
-                "block-diagonal, which random topologies and growth would not keep"
-            )
-        if padding_mode not in PADDING_MODES:
-            raise ValueError(f"SparseConv2d: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
-        kernel_size = _pair(kernel_size, "kernel_size", minimum=1)
-        stride = _pair(stride, "stride", minimum=1)
-        dilation = _pair(dilation, "dilation", minimum=1)
-        if isinstance(padding, str):
-            if padding not in ("valid", "same"):
-                raise ValueError(f"SparseConv2d: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
-            if padding == "same" and stride != (1, 1):
-                raise ValueError(f"SparseConv2d: padding='same' needs stride 1 (as nn.Conv2d), got stride={stride}")
-        else:
-            padding = _pair(padding, "padding", minimum=0)
-        return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
-                    padding_mode=padding_mode)  # fmt: skip
+
+def _no_tracer_warnings() -> contextlib.AbstractContextManager:
+    """Under ``torch.jit.trace``, silence its warning that the input checks (which only raise, for
+    the example input) are not in the trace; they need not be. Elsewhere nothing (a
+    ``catch_warnings`` per call would cost every eager forward)."""
+    return contextlib.nullcontext() if torch._C._get_tracing_state() is None else _ignoring_tracer_warnings()
+
+
+@contextlib.contextmanager
+def _ignoring_tracer_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        yield
 
 
 def _pair(value, name: str, *, minimum: int) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``),
 as one autograd node.
 
-Shapes: ``x (N, C, H, W)`` (padded here with zeros, or already with another mode), ``values (nnz,)``, ``bias (out,)`` or ``None`` →
-``y (N, out, Ho, Wo)``. The kernels compute float32 and float64; other dtypes, autocast regions,
-compiled or traced code and ``torch.func`` transforms take the layer's im2col path instead
+Shapes: ``x (N, C, H, W)`` (padded here with zeros, or already with another mode), ``values
+(nnz,)``, ``bias (out,)`` or ``None`` → ``y (N, out, Ho, Wo)``. The kernels compute float32 and
+float64; other dtypes, autocast regions, compiled or traced code and ``torch.func`` transforms
+take the layer's im2col path instead
 (:meth:`snack.SparseConv2d.forward` decides).
 """
 
