@@ -126,45 +126,39 @@ Walk row_walk(const Geometry& g) { return {g.Ho, g.Wo, g.Wo, g.sh * g.Wp, g.sw};
 // noise). kUnit: window_col is 1, so the loop vectorises with plain loads rather than gathers.
 constexpr int kPass = 8;
 
-// plane[e] += Σ_t v[t] · window_t[e]: the forward.
+// out[r, e] += Σ_t v[t] · in_t[r, e] over a walk's runs, element (r, e) of out at r · out_row +
+// e · out_col and of in_t at r · in_row + e · in_col: the forward (out a plane, in_t windows:
+// multiply_add(plane, walk.plane_row, 1, windows, walk.window_row, walk.window_col, ...)) and the
+// input gradient (out a window, in_t the dy planes of connections of one tap, which write the same
+// window). With kUnit, both columns are 1.
 template <typename scalar_t, int kTaps, bool kUnit>
-void add_windows(scalar_t* __restrict plane, const scalar_t* const* window, const scalar_t* v, const Walk& walk) {
-  const int64_t step = kUnit ? 1 : walk.window_col;
+void multiply_add(scalar_t* __restrict out, int64_t out_row, int64_t out_col, const scalar_t* const* in,
+                  int64_t in_row, int64_t in_col, const scalar_t* v, const Walk& walk) {
+  const int64_t out_step = kUnit ? 1 : out_col, in_step = kUnit ? 1 : in_col;
   scalar_t w[kTaps];
   for (int t = 0; t < kTaps; ++t) w[t] = v[t];
   for (int64_t r = 0; r < walk.rows; ++r) {
-    scalar_t* __restrict out = plane + r * walk.plane_row;
+    scalar_t* __restrict o = out + r * out_row;
     const scalar_t* s[kTaps];
-    for (int t = 0; t < kTaps; ++t) s[t] = window[t] + r * walk.window_row;
+    for (int t = 0; t < kTaps; ++t) s[t] = in[t] + r * in_row;
 #pragma omp simd
     for (int64_t e = 0; e < walk.len; ++e) {
-      scalar_t sum = out[e];
+      scalar_t sum = o[e * out_step];
 #pragma GCC unroll 8
-      for (int t = 0; t < kTaps; ++t) sum += w[t] * s[t][e * step];
-      out[e] = sum;
+      for (int t = 0; t < kTaps; ++t) sum += w[t] * s[t][e * in_step];
+      o[e * out_step] = sum;
     }
   }
 }
 
-// window[e] += Σ_t v[t] · plane_t[e]: the input gradient, for connections of one tap (one column),
-// which write the same window.
 template <typename scalar_t, int kTaps, bool kUnit>
-void scatter_planes(scalar_t* __restrict window, const scalar_t* const* plane, const scalar_t* v, const Walk& walk) {
-  const int64_t step = kUnit ? 1 : walk.window_col;
-  scalar_t w[kTaps];
-  for (int t = 0; t < kTaps; ++t) w[t] = v[t];
-  for (int64_t r = 0; r < walk.rows; ++r) {
-    scalar_t* __restrict out = window + r * walk.window_row;
-    const scalar_t* s[kTaps];
-    for (int t = 0; t < kTaps; ++t) s[t] = plane[t] + r * walk.plane_row;
-#pragma omp simd
-    for (int64_t e = 0; e < walk.len; ++e) {
-      scalar_t sum = out[e * step];
-#pragma GCC unroll 8
-      for (int t = 0; t < kTaps; ++t) sum += w[t] * s[t][e];
-      out[e * step] = sum;
-    }
-  }
+void add_windows(scalar_t* plane, const scalar_t* const* window, const scalar_t* v, const Walk& walk) {
+  multiply_add<scalar_t, kTaps, kUnit>(plane, walk.plane_row, 1, window, walk.window_row, walk.window_col, v, walk);
+}
+
+template <typename scalar_t, int kTaps, bool kUnit>
+void scatter_planes(scalar_t* window, const scalar_t* const* plane, const scalar_t* v, const Walk& walk) {
+  multiply_add<scalar_t, kTaps, kUnit>(window, walk.window_row, walk.window_col, plane, walk.plane_row, 1, v, walk);
 }
 
 // result[t] = Σ_e plane[e] · window_t[e]: the values gradient, for connections of one output
