@@ -364,6 +364,11 @@ def test_tracing_compiling_and_autocast_follow_the_im2col_path():
     torch.testing.assert_close(torch.jit.trace(model, x)(x), expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), expected,
                                atol=1e-6, rtol=1e-5)  # fmt: skip
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
+    torch.testing.assert_close(exported(x), expected, atol=1e-6, rtol=1e-5)
+    other = torch.randn(5, 3, 6, 6)
+    torch.testing.assert_close(exported(other), model(other), atol=1e-6, rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(x)
     assert low.dtype == torch.bfloat16
