@@ -4,11 +4,12 @@
 ``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model);
 ``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
 pooling) and ``→ width → 10``, built dense and sparsified that way. Either is trained with AdamW
-(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it. ``--compare`` trains the same architecture dense
-(``nn.Linear``, ``nn.Conv2d``) and as Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer
-densities and the same initial weights as the sparse model) with identical data order,
-and prints a side-by-side table. The models train in lockstep on the same batches, so timing
-noise from a shared machine hits all of them alike. ``--device cuda`` trains on a GPU (the
+(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it.
+``--compare`` trains the same architecture dense (``nn.Linear``, ``nn.Conv2d``) and as
+Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
+initial weights as the sparse model) with identical data order, and prints a side-by-side table.
+The models train in lockstep on the same batches, so timing noise from a shared machine hits all
+of them alike. ``--device cuda`` trains on a GPU (the
 Triton kernels); each timed step then waits for the GPU to finish.
 """
 
