@@ -27,6 +27,11 @@ GEOMETRIES = [
     dict(kernel_size=3, padding=2, padding_mode="circular", dilation=(1, 2)),
     dict(kernel_size=1, padding=1, padding_mode="replicate"),
     dict(kernel_size=5, padding="valid", stride=(1, 2)),
+    # stride phases no tap reads (their input gradient is zero), inputs no multiple of the stride
+    dict(kernel_size=1, stride=2),
+    dict(kernel_size=2, stride=3, padding=1),
+    dict(kernel_size=3, stride=2, dilation=2, padding=2),  # every tap in phase (0, 0)
+    dict(kernel_size=(3, 2), stride=(3, 2), dilation=(1, 3), padding=(0, 1)),
 ]
 PATHS = ["native", "reference"]  # the direct kernels; im2col through the reference ops
 
