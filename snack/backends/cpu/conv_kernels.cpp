@@ -40,6 +40,12 @@
 // at a time: at stride 2 it ran 2.5-13x slower than MKL-DNN's dense convolution, a 1×1 one 17x
 // (ResNet-18's downsampling layers, batch 32, AMD Zen 4).
 //
+// Folded samples: on small images a run is short (22 elements for a 4×4 output plane: two
+// vectors, one mostly empty, per connection and pass). There the source planes and dy hold a
+// group of `fold` samples side by side at each position (element (i·Ws + j)·fold + f is sample f
+// of the group at (i, j)): a tap's offset and the run grow fold times, and the kernels are the
+// same. See fold_samples for the sizes and the measured gains.
+//
 // Measured and dropped: register blocking of the forward (a block of 64 consecutive flat outputs
 // of a sample summed in four vector registers over a row's connections, channel after channel,
 // compacted into the output per block): the same bits, but 0.81-1.18x the time of the passes
@@ -49,11 +55,12 @@
 // blocks in the forward (its passes write, not reduce): 0.92-1.04x, bit-identical.
 //
 // Parallelism and determinism: each output element is written by one task, and every sum runs in
-// an order fixed by the topology alone, so results do not depend on the thread count. Forward:
-// tasks over (sample, output channel). Input gradient: tasks over (sample, input channel), walking
-// that channel's connections in column order (csc_perm), so no two tasks write one plane.
-// Values gradient: tasks over runs of output channels, each summing over samples in order (in
-// blocks of a few samples whose sums are reduced together, a block size fixed by the image size).
+// an order fixed by the topology and the shapes alone, so results do not depend on the thread
+// count. Forward: tasks over (sample group, output channel). Input gradient: tasks over (sample
+// group, input channel), walking that channel's connections in column order (csc_perm), so no two
+// tasks write one plane. Values gradient: tasks over runs of output channels, each summing over
+// sample groups in order (in blocks of a few groups whose sums are reduced together, a block size
+// fixed by the image size).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -69,24 +76,46 @@ namespace {
 
 struct Geometry {
   int64_t kh, kw, sh, sw, dh, dw;  // kernel, stride, dilation
-  int64_t C, Hp, Wp, Ho, Wo;       // input channels and padded size, output size
-  // The source planes the kernels walk: per channel `phases` stride phases of Hs × Ws (see above).
-  int64_t phases, Hs, Ws;
+  int64_t N, C, Hp, Wp, Ho, Wo;    // samples, input channels and padded size, output size
+  // The source planes the kernels walk: per channel `phases` stride phases of Hs × Ws (see above),
+  // each position holding `fold` samples side by side; the samples in `groups` of `fold`.
+  int64_t phases, Hs, Ws, fold, groups;
   std::vector<int64_t> phase_of_tap;                // tap i·kw + j → its phase's index among those kept
   std::vector<std::pair<int64_t, int64_t>> phase;  // kept phase → (row a, column b)
 
   int64_t plane_in() const { return Hp * Wp; }
   int64_t plane_out() const { return Ho * Wo; }
-  int64_t plane_source() const { return Hs * Ws; }
+  int64_t plane_source() const { return Hs * Ws * fold; }
   bool strided() const { return sh != 1 || sw != 1; }
-  // the flat walk's run: output rows laid out Ws wide, the last one Wo long
-  int64_t run() const { return (Ho - 1) * Ws + Wo; }
+  // the input itself is its source planes: one phase, one sample per position
+  bool in_place() const { return !strided() && fold == 1; }
+  // the flat walk's run, in positions: output rows laid out Ws wide, the last one Wo long
+  int64_t positions() const { return (Ho - 1) * Ws + Wo; }
+  int64_t run() const { return positions() * fold; }
 };
 
-Geometry geometry(at::IntArrayRef input, at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation) {
+// Samples per position: a power of two up to 2048 / positions and 16, where a 4×4 output plane's
+// run is 22 positions (two vectors, one mostly empty, and a pass's overhead per connection).
+// Kernel A/B against the unfolded kernels (AMD Zen 4, 2 threads, batch 32, 3×3, forward / input
+// gradient / values gradient): 4×4 planes of 512 channels (16 a group) 2.2 / 2.7 / 1.9x faster;
+// 8×8 of 256 (16) 1.5 / 1.7 / 1.9x; 16×16 of 128 (4) 1.1 / 1.1 / 1.3x; 3×3 at stride 2 onto 8×8
+// and 4×4 planes 1.3-1.5 / 1.1-2.0 / 1.8-2.6x. 32×32 planes (runs of 1088) are left unfolded:
+// there the input gradient got slower with folding. Groups are balanced: 20 samples at 16 a group
+// are 2 groups of 10, and a group short of samples reads zeros.
+constexpr int64_t kMaxFold = 16;
+
+void fold_samples(Geometry& g) {
+  int64_t wanted = 1;  // a power of two: no padding at the usual batch sizes
+  while (wanted * 2 <= std::min<int64_t>(kMaxFold, 2048 / g.positions())) wanted *= 2;
+  g.groups = (g.N + wanted - 1) / wanted;
+  g.fold = g.groups > 0 ? (g.N + g.groups - 1) / g.groups : 1;
+}
+
+Geometry geometry(int64_t N, at::IntArrayRef input, at::IntArrayRef kernel, at::IntArrayRef stride,
+                  at::IntArrayRef dilation) {
   TORCH_CHECK(input.size() == 3 && kernel.size() == 2 && stride.size() == 2 && dilation.size() == 2,
               "snack_cpu conv2d: input (C, Hp, Wp), kernel, stride and dilation pairs expected");
-  Geometry g{kernel[0], kernel[1], stride[0], stride[1], dilation[0], dilation[1], input[0], input[1], input[2]};
+  Geometry g{kernel[0], kernel[1], stride[0], stride[1], dilation[0], dilation[1], N, input[0], input[1], input[2]};
   TORCH_CHECK(g.kh > 0 && g.kw > 0 && g.sh > 0 && g.sw > 0 && g.dh > 0 && g.dw > 0,
               "snack_cpu conv2d: kernel, stride and dilation must be positive");
   TORCH_CHECK(g.Hp >= g.dh * (g.kh - 1) + 1 && g.Wp >= g.dw * (g.kw - 1) + 1,
@@ -108,32 +137,87 @@ Geometry geometry(at::IntArrayRef input, at::IntArrayRef kernel, at::IntArrayRef
     }
   }
   g.phases = static_cast<int64_t>(g.phase.size());
+  fold_samples(g);
   return g;
 }
 
-// The source planes of a padded input (N, C, Hp, Wp): the input itself at stride 1, else
-// (N, C·phases, Hs, Ws) with phase p of channel c at plane c·phases + p. Elements past the input
-// (Hp, Wp not multiples of the stride) are zeros: only dropped outputs read them, but a values
-// gradient multiplies them by a widened dy's zeros, and garbage could be NaN.
+// Folding's layout changes, `samples` (≤ fold ≤ kMaxFold) rows of `count` elements: out[j·fold + f] =
+// in[f][j·in_step] (interleave) and its inverse out[f][j] = in[j·fold + f] (deinterleave), through
+// a small tile so that both the reads and the writes run along memory. Element by element (the
+// group's samples innermost), the forward's copies took 1.6 ms, through the tile 0.6 ms, of a
+// 6-7 ms convolution (32 samples of 256 channels of 8×8, 2 threads).
+constexpr int64_t kTile = 64;
+
+template <typename scalar_t>
+void interleave(const scalar_t* const* in, int64_t samples, int64_t count, int64_t in_step, scalar_t* out,
+                int64_t fold) {
+  if (fold == 1 && in_step == 1) {
+    std::copy_n(in[0], count, out);
+    return;
+  }
+  scalar_t tile[kMaxFold][kTile];
+  for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+    const int64_t n = std::min(kTile, count - j0);
+    for (int64_t f = 0; f < samples; ++f) {
+      const scalar_t* from = in[f] + j0 * in_step;
+      for (int64_t j = 0; j < n; ++j) tile[f][j] = from[j * in_step];
+    }
+    scalar_t* to = out + j0 * fold;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t f = 0; f < samples; ++f) to[j * fold + f] = tile[f][j];
+    }
+  }
+}
+
+template <typename scalar_t>
+void deinterleave(const scalar_t* in, int64_t fold, int64_t samples, int64_t count, scalar_t* const* out) {
+  if (fold == 1) {
+    std::copy_n(in, count, out[0]);
+    return;
+  }
+  scalar_t tile[kMaxFold][kTile];
+  for (int64_t j0 = 0; j0 < count; j0 += kTile) {
+    const int64_t n = std::min(kTile, count - j0);
+    const scalar_t* from = in + j0 * fold;
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t f = 0; f < samples; ++f) tile[f][j] = from[j * fold + f];
+    }
+    for (int64_t f = 0; f < samples; ++f) std::copy_n(tile[f], n, out[f] + j0);
+  }
+}
+
+// The source planes of a padded input (N, C, Hp, Wp): the input itself when g.in_place(), else
+// (groups, C·phases, Hs, Ws·fold) with phase p of channel c at plane c·phases + p and sample
+// group·fold + f of position (i, j) at element (i·Ws + j)·fold + f. Elements past the input (Hp,
+// Wp not multiples of the stride, the last group's missing samples) are zeros: only dropped
+// outputs read them, but a values gradient multiplies them by a widened dy's zeros, and garbage
+// could be NaN.
 template <typename scalar_t>
 at::Tensor source_planes(const at::Tensor& x, const Geometry& g) {
-  if (!g.strided()) return x;
-  auto planes = at::empty({x.size(0), g.C * g.phases, g.Hs, g.Ws}, x.options());
+  if (g.in_place()) return x;
+  auto planes = at::empty({g.groups, g.C * g.phases, g.Hs, g.Ws * g.fold}, x.options());
   const scalar_t* src = x.data_ptr<scalar_t>();
   scalar_t* dst = planes.data_ptr<scalar_t>();
-  at::parallel_for(0, x.size(0) * g.C, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t channel = begin; channel < end; ++channel) {
-      const scalar_t* in = src + channel * g.plane_in();
+  at::parallel_for(0, g.groups * g.C, 1, [&](int64_t begin, int64_t end) {
+    const scalar_t* sample[kMaxFold];
+    const scalar_t* row[kMaxFold];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t group = task / g.C, c = task % g.C;
+      const int64_t samples = std::min(g.fold, g.N - group * g.fold);
+      for (int64_t f = 0; f < samples; ++f) sample[f] = src + ((group * g.fold + f) * g.C + c) * g.plane_in();
       for (int64_t p = 0; p < g.phases; ++p) {
         const auto [a, b] = g.phase[p];
-        scalar_t* out = dst + (channel * g.phases + p) * g.plane_source();
-        for (int64_t i = 0; i < g.Hs; ++i, out += g.Ws) {
-          const int64_t h = a + i * g.sh;
-          int64_t j = 0;
-          if (h < g.Hp) {
-            for (; b + j * g.sw < g.Wp; ++j) out[j] = in[h * g.Wp + b + j * g.sw];
-          }
-          std::fill(out + j, out + g.Ws, scalar_t(0));
+        scalar_t* plane = dst + (task * g.phases + p) * g.plane_source();
+        if (!g.strided()) {  // the plane is one run of positions
+          if (samples < g.fold) std::fill_n(plane, g.plane_source(), scalar_t(0));
+          interleave(sample, samples, g.plane_in(), 1, plane, g.fold);
+          continue;
+        }
+        std::fill_n(plane, g.plane_source(), scalar_t(0));
+        const int64_t columns = (g.Wp - b + g.sw - 1) / g.sw;
+        for (int64_t i = 0; a + i * g.sh < g.Hp; ++i) {
+          for (int64_t f = 0; f < samples; ++f) row[f] = sample[f] + (a + i * g.sh) * g.Wp + b;
+          interleave(row, samples, columns, g.sw, plane + i * g.Ws * g.fold, g.fold);
         }
       }
     }
@@ -145,11 +229,11 @@ at::Tensor source_planes(const at::Tensor& x, const Geometry& g) {
 // its offset into that plane. Decoded once per call: the inner loops then only add offsets.
 struct Taps {
   std::vector<int64_t> plane;   // c_k · phases + phase of the tap
-  std::vector<int64_t> offset;  // (i·dh div sh)·Ws + j·dw div sw
+  std::vector<int64_t> offset;  // ((i·dh div sh)·Ws + j·dw div sw)·fold
 };
 
 int64_t tap_offset(const Geometry& g, int64_t tap) {
-  return (tap / g.kw) * g.dh / g.sh * g.Ws + (tap % g.kw) * g.dw / g.sw;
+  return ((tap / g.kw) * g.dh / g.sh * g.Ws + (tap % g.kw) * g.dw / g.sw) * g.fold;
 }
 
 Taps decode_taps(const at::Tensor& col, const Geometry& g) {
@@ -166,20 +250,20 @@ Taps decode_taps(const at::Tensor& col, const Geometry& g) {
 
 // How a window and a plane are walked: `rows` runs of `len` elements; run r of the plane starts
 // at r · plane_row, of the window at r · window_row. The forward and the input gradient walk one
-// run (flat_walk); the values gradient one per sample of a block (sample_walk).
+// run (flat_walk); the values gradient one per sample group of a block (sample_walk).
 struct Walk {
   int64_t rows, len, plane_row, window_row;
 };
 
 Walk flat_walk(const Geometry& g) { return {1, g.run(), 0, 0}; }
 
-// The values gradient's flat walk over a block of samples: one run per sample (the same output
-// channel's dy plane, the same source plane's window), so that a block's dot products are reduced
-// once. At 8×8 images (runs of 78 elements) reducing per sample took most of the time: blocks of
-// ceil(512 / run) samples, at most 8 (whose input planes stay in L2 at such sizes).
-int64_t samples_per_block(const Geometry& g) { return std::clamp<int64_t>((512 + g.run() - 1) / g.run(), 1, 8); }
-Walk sample_walk(const Geometry& g, int64_t samples, int64_t O) {
-  return {samples, g.run(), O * g.Ho * g.Ws, g.C * g.phases * g.plane_source()};
+// The values gradient's flat walk over a block of sample groups: one run per group (the same
+// output channel's dy plane, the same source plane's window), so that a block's dot products are
+// reduced once. At 8×8 images (runs of 78 elements, before samples were folded) reducing per
+// sample took most of the time: blocks of ceil(512 / run) groups, at most 8.
+int64_t groups_per_block(const Geometry& g) { return std::clamp<int64_t>((512 + g.run() - 1) / g.run(), 1, 8); }
+Walk sample_walk(const Geometry& g, int64_t groups, int64_t O) {
+  return {groups, g.run(), O * g.Ho * g.Ws * g.fold, g.C * g.phases * g.plane_source()};
 }
 
 // Up to kPass connections are handled per pass (kTaps): one load and store of each output element
@@ -268,7 +352,7 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
   check_topology(values, col, rowptr, "conv2d_forward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
               "conv2d_forward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
-  const Geometry g = geometry(x.sizes().slice(1), kernel, stride, dilation);
+  const Geometry g = geometry(x.size(0), x.sizes().slice(1), kernel, stride, dilation);
   const int64_t N = x.size(0), O = rowptr.numel() - 1;
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == O && bias->is_contiguous() &&
@@ -284,15 +368,17 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
     const scalar_t* vd = values.data_ptr<scalar_t>();
     const scalar_t* bd = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     scalar_t* yd = y.data_ptr<scalar_t>();
-    const int64_t sample_size = g.C * g.phases * g.plane_source();
-    at::parallel_for(0, N * O, 1, [&](int64_t begin, int64_t end) {
-      // the flat walk sums into a plane laid out Ws wide, then keeps each row's first Wo
+    const int64_t group_size = g.C * g.phases * g.plane_source();
+    at::parallel_for(0, g.groups * O, 1, [&](int64_t begin, int64_t end) {
+      // the flat walk sums into a plane laid out Ws wide (fold samples a position), then keeps
+      // each sample's first Wo of each row
       std::vector<scalar_t> wide(g.run());
       const scalar_t* window[kPass];
+      scalar_t* plane[kMaxFold];
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task / O, o = task % O;
+        const int64_t group = task / O, o = task % O;
         std::fill(wide.begin(), wide.end(), bd != nullptr ? bd[o] : scalar_t(0));
-        const scalar_t* sample = xd + n * sample_size;
+        const scalar_t* sample = xd + group * group_size;
         for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
           const int64_t count = std::min<int64_t>(kPass, rp[o + 1] - k);
           for (int64_t t = 0; t < count; ++t) {
@@ -300,26 +386,38 @@ at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const a
           }
           SNACK_CONV_DISPATCH(multiply_add, count, wide.data(), window, vd + k, g.run());
         }
-        scalar_t* plane = yd + task * g.plane_out();
-        for (int64_t h = 0; h < g.Ho; ++h) std::copy_n(wide.data() + h * g.Ws, g.Wo, plane + h * g.Wo);
+        const int64_t samples = std::min(g.fold, N - group * g.fold);
+        for (int64_t f = 0; f < samples; ++f) plane[f] = yd + ((group * g.fold + f) * O + o) * g.plane_out();
+        for (int64_t h = 0; h < g.Ho; ++h) {
+          deinterleave(wide.data() + h * g.Ws * g.fold, g.fold, samples, g.Wo, plane);
+          for (int64_t f = 0; f < samples; ++f) plane[f] += g.Wo;
+        }
       }
     });
   });
   return y;
 }
 
-// dy (N, out, Ho, Wo) as the flat walk reads it: each row Ws wide, zeros past its Wo (a zero times
-// a window element adds nothing to a dot, and zero to a dx element). One pass, in parallel: the
-// zeros are written, not filled in first (constant_pad_nd filled everything, then copied).
+// dy (N, out, Ho, Wo) as the flat walk reads it: (groups, out, Ho, Ws·fold), each row Ws
+// positions wide, fold samples a position, zeros past a row's Wo and for the last group's missing
+// samples (a zero times a window element adds nothing to a dot, and zero to a dx element). One
+// pass, in parallel, row by row.
 template <typename scalar_t>
 at::Tensor widened(const at::Tensor& dy, const Geometry& g) {
-  auto wide = at::empty({dy.size(0), dy.size(1), g.Ho, g.Ws}, dy.options());
+  const int64_t O = dy.size(1), row = g.Ws * g.fold;
+  auto wide = at::empty({g.groups, O, g.Ho, row}, dy.options());
   const scalar_t* src = dy.data_ptr<scalar_t>();
   scalar_t* dst = wide.data_ptr<scalar_t>();
-  at::parallel_for(0, dy.size(0) * dy.size(1) * g.Ho, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, g.groups * O * g.Ho, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      std::copy_n(src + r * g.Wo, g.Wo, dst + r * g.Ws);
-      std::fill_n(dst + r * g.Ws + g.Wo, g.Ws - g.Wo, scalar_t(0));
+      const int64_t group = r / (O * g.Ho), o = r / g.Ho % O, h = r % g.Ho;
+      const int64_t samples = std::min(g.fold, g.N - group * g.fold);
+      const scalar_t* in[kMaxFold];
+      for (int64_t f = 0; f < samples; ++f) in[f] = src + (((group * g.fold + f) * O + o) * g.Ho + h) * g.Wo;
+      scalar_t* out = dst + r * row;
+      if (samples < g.fold) std::fill_n(out, g.Wo * g.fold, scalar_t(0));
+      interleave(in, samples, g.Wo, 1, out, g.fold);
+      std::fill(out + g.Wo * g.fold, out + row, scalar_t(0));
     }
   });
   return wide;
@@ -327,24 +425,34 @@ at::Tensor widened(const at::Tensor& dy, const Geometry& g) {
 
 // Where each element of an input plane's gradient (H, W, without the crop) lies in its channel's
 // source planes: row h at (a, i) = divmod(h + top, sh), column w at (b, j) = divmod(w + left, sw),
-// so element (h, w) is source plane phase(a, b), element i·Ws + j. A phase no tap reads has no
-// connection into it: its elements' gradients are zero. Tabled once per call.
+// so element (h, w) of the group's sample f is source plane phase(a, b), element
+// (i·Ws + j)·fold + f. A phase no tap reads has no connection into it: its elements' gradients are
+// zero. Tabled once per call.
 struct PhaseMerge {
-  std::vector<int64_t> row_phase, row_offset, col_phase, col_offset;  // a·sw, i·Ws; b, j
+  std::vector<int64_t> row_phase, row_offset, col_phase, col_offset;  // a·sw, i·Ws·fold; b, j·fold
   std::vector<int64_t> phase_at;                                      // a·sw + b → kept phase or -1
 
-  // dx (H, W) of one channel from its source planes' gradients `sums` (phases · Hs · Ws)
+  // dx (H, W) of the group's first `samples` samples, channel c, from the channel's source planes'
+  // gradients `sums` (phases · plane_source); dx is the first sample's plane, the next ones lie
+  // `sample_stride` apart
   template <typename scalar_t>
-  void apply(const scalar_t* sums, scalar_t* dx, const Geometry& g) const {
+  void apply(const scalar_t* sums, int64_t samples, scalar_t* dx, int64_t sample_stride, const Geometry& g) const {
     const int64_t H = static_cast<int64_t>(row_phase.size()), W = static_cast<int64_t>(col_phase.size());
     for (int64_t h = 0; h < H; ++h, dx += W) {
-      if (!g.strided()) {  // one phase: each row is a run of its plane
-        std::copy_n(sums + row_offset[h] + col_offset[0], W, dx);
+      if (!g.strided()) {  // each row is a run of positions
+        scalar_t* rows[kMaxFold];
+        for (int64_t f = 0; f < samples; ++f) rows[f] = dx + f * sample_stride;
+        deinterleave(sums + row_offset[h] + col_offset[0], g.fold, samples, W, rows);
         continue;
       }
       for (int64_t w = 0; w < W; ++w) {
         const int64_t p = phase_at[row_phase[h] + col_phase[w]];
-        dx[w] = p < 0 ? scalar_t(0) : sums[p * g.plane_source() + row_offset[h] + col_offset[w]];
+        if (p < 0) {
+          for (int64_t f = 0; f < samples; ++f) dx[f * sample_stride + w] = scalar_t(0);
+          continue;
+        }
+        const scalar_t* from = sums + p * g.plane_source() + row_offset[h] + col_offset[w];
+        for (int64_t f = 0; f < samples; ++f) dx[f * sample_stride + w] = from[f];
       }
     }
   }
@@ -354,11 +462,11 @@ PhaseMerge phase_merge(const Geometry& g, at::IntArrayRef crop, int64_t H, int64
   PhaseMerge m{{}, {}, {}, {}, std::vector<int64_t>(g.sh * g.sw, -1)};
   for (int64_t h = 0; h < H; ++h) {
     m.row_phase.push_back((h + crop[2]) % g.sh * g.sw);
-    m.row_offset.push_back((h + crop[2]) / g.sh * g.Ws);
+    m.row_offset.push_back((h + crop[2]) / g.sh * g.Ws * g.fold);
   }
   for (int64_t w = 0; w < W; ++w) {
     m.col_phase.push_back((w + crop[0]) % g.sw);
-    m.col_offset.push_back((w + crop[0]) / g.sw);
+    m.col_offset.push_back((w + crop[0]) / g.sw * g.fold);
   }
   for (int64_t p = 0; p < g.phases; ++p) m.phase_at[g.phase[p].first * g.sw + g.phase[p].second] = p;
   return m;
@@ -380,7 +488,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
   check_topology(values, col, rowptr, "conv2d_backward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
               "conv2d_backward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
-  const Geometry g = geometry(x.sizes().slice(1), kernel, stride, dilation);
+  const Geometry g = geometry(x.size(0), x.sizes().slice(1), kernel, stride, dilation);
   const int64_t N = x.size(0), O = rowptr.numel() - 1, nnz = col.numel(), taps_per_channel = g.kh * g.kw;
   TORCH_CHECK(dy_in.dim() == 4 && dy_in.scalar_type() == x.scalar_type() && dy_in.size(0) == N &&
                   dy_in.size(1) == O && dy_in.size(2) == g.Ho && dy_in.size(3) == g.Wo,
@@ -395,9 +503,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
   // dx of the input before its zero padding (crop): each task sums its channel's source planes in a
   // buffer of its own and keeps the inside (merging the stride phases back), where a padded dx cut
   // by autograd took another pass over memory. Buffers are zeroed by their tasks, in cache
-  // (at::zeros was a pass of its own); at stride 1 without padding the task sums in dx itself.
+  // (at::zeros was a pass of its own); at stride 1, unfolded, without padding the task sums in dx.
   const int64_t H = g.Hp - crop[2] - crop[3], W = g.Wp - crop[0] - crop[1];
-  const bool in_place = !g.strided() && H == g.Hp && W == g.Wp;
+  const bool in_place = g.in_place() && H == g.Hp && W == g.Wp;
   auto dx = at::empty({input_grad ? N : 0, g.C, H, W}, x.options());
   auto dvalues = at::zeros({values_grad ? nnz : 0}, x.options());
   auto dbias = at::zeros({bias_grad ? O : 0}, x.options());
@@ -408,9 +516,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
   const at::Tensor contiguous = dy_in.contiguous();
   const Taps taps = decode_taps(col, g);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_backward", [&] {
+    // the bias gradient sums dy's planes in either layout (the widened one's extra elements are 0)
     const bool walks = nnz > 0 && (input_grad || values_grad);
-    const at::Tensor dy = g.Ws != g.Wo && walks ? widened<scalar_t>(contiguous, g) : contiguous;
-    const int64_t plane_stride = g.Ho * dy.size(3);
+    const bool widen = walks && (g.Ws != g.Wo || g.fold != 1);
+    const at::Tensor dy = widen ? widened<scalar_t>(contiguous, g) : contiguous;
+    const int64_t plane_stride = g.Ho * dy.size(3), groups = widen ? g.groups : N;
     const scalar_t* dyd = dy.data_ptr<scalar_t>();
     const scalar_t* vd = values.data_ptr<scalar_t>();
     const int64_t channel_size = g.phases * g.plane_source();
@@ -420,15 +530,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
       const int32_t* cp = colptr.data_ptr<int32_t>();
       scalar_t* dxd = dx.data_ptr<scalar_t>();
       const PhaseMerge merge = phase_merge(g, crop, H, W);
-      at::parallel_for(0, N * g.C, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, g.groups * g.C, 1, [&](int64_t begin, int64_t end) {
         scalar_t v[kPass];
         const scalar_t* plane[kPass];
         std::vector<scalar_t> buffer(in_place ? 0 : channel_size);
         for (int64_t task = begin; task < end; ++task) {
-          const int64_t n = task / g.C, c = task % g.C;
+          const int64_t group = task / g.C, c = task % g.C;
           scalar_t* sums = in_place ? dxd + task * g.plane_in() : buffer.data();
           std::fill_n(sums, channel_size, scalar_t(0));
-          const scalar_t* sample = dyd + n * O * plane_stride;
+          const scalar_t* sample = dyd + group * O * plane_stride;
           for (int64_t tap = 0; tap < taps_per_channel; ++tap) {
             const int64_t column = c * taps_per_channel + tap;
             scalar_t* window = sums + g.phase_of_tap[tap] * g.plane_source() + tap_offset(g, tap);
@@ -442,12 +552,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
               SNACK_CONV_DISPATCH(multiply_add, count, window, plane, v, g.run());
             }
           }
-          if (!in_place) merge.apply(sums, dxd + task * H * W, g);
+          if (!in_place) {
+            const int64_t samples = std::min(g.fold, N - group * g.fold);
+            merge.apply(sums, samples, dxd + (group * g.fold * g.C + c) * H * W, g.C * H * W, g);
+          }
         }
       });
     }
     if (values_grad || bias_grad) {
-      const at::Tensor source = source_planes<scalar_t>(x, g);
+      const at::Tensor source = values_grad ? source_planes<scalar_t>(x, g) : x;
       const scalar_t* xd = source.data_ptr<scalar_t>();
       const int32_t* rp = rowptr.data_ptr<int32_t>();
       scalar_t* dvd = dvalues.data_ptr<scalar_t>();
@@ -455,18 +568,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
       // samples outermost inside a task: one sample's input planes and output gradients stay in
       // cache while the task's connections are scored against them (and the bias gradient sums
       // each plane while it is there)
-      const int64_t block = samples_per_block(g);
+      const int64_t block = groups_per_block(g);
       at::parallel_for(0, O, 1, [&](int64_t first, int64_t last) {
         const scalar_t* window[kPass];
         scalar_t dots[kPass];
-        for (int64_t n0 = 0; n0 < N; n0 += block) {
-          const int64_t samples = std::min(block, N - n0);
-          const Walk walk = sample_walk(g, samples, O);
-          const scalar_t* sample = xd + n0 * g.C * channel_size;
+        for (int64_t g0 = 0; g0 < groups; g0 += block) {
+          const int64_t count = std::min(block, groups - g0);
+          const Walk walk = sample_walk(g, count, O);
+          const scalar_t* sample = xd + g0 * g.C * channel_size;
           for (int64_t o = first; o < last; ++o) {
-            const scalar_t* plane = dyd + (n0 * O + o) * plane_stride;
-            if (bias_grad) {  // a widened plane's extra columns are 0
-              for (int64_t n = 0; n < samples; ++n) dbd[o] += plane_sum(plane + n * O * plane_stride, plane_stride);
+            const scalar_t* plane = dyd + (g0 * O + o) * plane_stride;
+            if (bias_grad) {
+              for (int64_t r = 0; r < count; ++r) dbd[o] += plane_sum(plane + r * O * plane_stride, plane_stride);
             }
             if (!values_grad) continue;
             for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
