@@ -115,15 +115,16 @@ def test_rows_and_columns_of_many_connections(stride):
 
 
 # The kernels fold samples side by side on small images (fold_samples in conv_kernels.cpp: the
-# power of two up to 2048 / run positions and 16 a group, groups balanced): for 3×3, padding 1,
-# (batch, side) → one sample a group on 36×36; 17 on 8×8 → two groups of 9, one short; 20 on 4×4
-# → two of 10; 3 on 5×5 → one group of 3.
+# power of two up to 2048 / run positions and 16 a group, groups balanced), for layers with at
+# least a third as many connections as an input and an output sample have elements (32 channels at
+# 10% sparsity are, in all four geometries): for 3×3, padding 1, (batch, side) → one sample a group
+# on 36×36; 17 on 8×8 → two groups of 9, one short; 20 on 4×4 → two of 10; 3 on 5×5 → one of 3.
 @pytest.mark.parametrize("batch, side", [(2, 36), (17, 8), (20, 4), (3, 5)])
 @pytest.mark.parametrize("geometry", [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, padding=1),
                                       dict(kernel_size=1, stride=2), dict(kernel_size=2)], ids=str)  # fmt: skip
 def test_samples_folded_in_groups_or_one_by_one(geometry, batch, side):
-    layer = snack.SparseConv2d(3, 4, sparsity=0.5, dtype=torch.float64, **geometry)
-    _check_against_dense(layer, torch.randn(batch, 3, side, side, dtype=torch.float64), "native")
+    layer = snack.SparseConv2d(32, 32, sparsity=0.1, dtype=torch.float64, **geometry)
+    _check_against_dense(layer, torch.randn(batch, 32, side, side, dtype=torch.float64), "native")
 
 
 @pytest.mark.parametrize("frozen", ["values", "bias", "input"])
