@@ -1,0 +1,161 @@
+"""A CIFAR ResNet-18 sparsified by ``snack.sparsify``, against the dense model, on the CPU.
+
+Usage: ``.venv/bin/python benchmarks/resnet_step.py`` (about two minutes); writes
+``benchmarks/resnet_step.txt``, which the README quotes.
+
+The model DST papers train on CIFAR-10 (a 3×3 stem, four stages of two basic blocks, 64-128-256-512
+channels, 1×1 stride-2 shortcuts), on 32×32 inputs at batch 32, float32. Every convolution and
+the classifier are sparsified with ERK densities at 90%, 95% and 98% (``init="random"``), as a
+RigL run would start. Two tables, each variant's times interleaved sample by sample in one process
+(:func:`snack.bench.timing.interleaved_medians`), as medians:
+
+1. the whole model: a training step (forward, backward, SGD with momentum) and a no-grad forward
+   in eval mode;
+2. each distinct convolution of the 90% model on its own: a training step (forward, backward into
+   the input and the weights) against ``nn.Conv2d`` of the same geometry, with the ERK density it
+   got. It shows where the model's time goes and which layers a sparse kernel cannot win.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import snack
+from snack.bench.report import ResultLines, out_argument
+from snack.bench.timing import interleaved_medians
+
+BATCH = 32
+SPARSITIES = [0.9, 0.95, 0.98]
+SAMPLES = 9
+OUT = Path(__file__).with_name("resnet_step.txt")
+
+
+class BasicBlock(nn.Module):
+    """Two 3×3 convolutions with batch norm, plus the input (through a 1×1 strided convolution
+    when the shape changes): ``(N, c_in, H, W) → (N, c_out, H / stride, W / stride)``."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def resnet18(classes: int = 10) -> nn.Sequential:
+    """``(N, 3, 32, 32)`` images → ``(N, classes)`` logits."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+    c_in = 64
+    for c_out, stride in [(64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1)]:
+        layers.append(BasicBlock(c_in, c_out, stride))
+        c_in = c_out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+
+
+def model_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
+    """Per task ("training", "inference"), a callable per model: dense and each sparsity."""
+    models = {"dense": resnet18()}
+    for sparsity in SPARSITIES:
+        models[f"snack {sparsity}"] = snack.sparsify(resnet18(), sparsity, distribution="erk", init="random")
+    tasks: dict[str, dict] = {"training": {}, "inference": {}}
+    for name, model in models.items():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step(model=model, optimizer=optimizer):
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        def infer(model=model):
+            model.eval()
+            with torch.no_grad():
+                model(x)
+
+        tasks["training"][name], tasks["inference"][name] = step, infer
+    return tasks
+
+
+def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, snack.SparseConv2d, torch.Size]]:
+    """``(name, layer, input shape)`` of each convolution of ``model`` with a geometry, density
+    and input shape not seen before, in forward order."""
+    seen, found = set(), []
+
+    def record(name):
+        def hook(module, inputs, output):
+            key = (inputs[0].shape, module.out_channels, module.kernel_size, module.stride, module.nnz)
+            if key not in seen:
+                seen.add(key)
+                found.append((name, module, inputs[0].shape))
+
+        return hook
+
+    handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, snack.SparseConv2d)]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    return found
+
+
+def layer_variants(layer: snack.SparseConv2d, shape: torch.Size) -> dict:
+    """A training step of ``layer`` and of a dense ``nn.Conv2d`` of its geometry."""
+    dense = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
+                      bias=layer.bias is not None)  # fmt: skip
+    x = torch.randn(shape, requires_grad=True)
+
+    def step(module):
+        def run():
+            module.zero_grad(set_to_none=True)
+            x.grad = None
+            module(x).sum().backward()
+
+        return run
+
+    return {"dense": step(dense), "snack": step(layer)}
+
+
+def main() -> None:
+    out = out_argument(__doc__, OUT)
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    emit = ResultLines(cpu)
+    x, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))
+    emit(f"CIFAR ResNet-18, 32×32 inputs, batch {BATCH}, float32, {torch.get_num_threads()} threads; ERK densities, "
+         f"random topology; medians of {SAMPLES} interleaved samples; dense/snack > 1: snack is faster")  # fmt: skip
+    emit("")
+    emit("| task | dense ms | " + " | ".join(f"snack {s} ms | dense/snack" for s in SPARSITIES) + " |")
+    emit("|---|---|" + "---|---|" * len(SPARSITIES))
+    for task, fns in model_variants(x, y).items():
+        ms = {name: s * 1e3 for name, s in interleaved_medians(fns, cpu, SAMPLES).items()}
+        cells = [f"{ms[f'snack {s}']:.1f} | {ms['dense'] / ms[f'snack {s}']:.2f}" for s in SPARSITIES]
+        emit(f"| {task} | {ms['dense']:.1f} | " + " | ".join(cells) + " |")
+    emit("")
+    emit(f"Each distinct convolution of the {SPARSITIES[0]} model, a training step of the layer alone:")
+    emit("")
+    emit("| layer | input | out | kernel, stride | density | dense ms | snack ms | dense/snack |")
+    emit("|---|---|---|---|---|---|---|---|")
+    model = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random")
+    for name, layer, shape in distinct_convolutions(model, x):
+        ms = {key: s * 1e3 for key, s in interleaved_medians(layer_variants(layer, shape), cpu, SAMPLES).items()}
+        emit(
+            f"| {name} | {'×'.join(map(str, shape))} | {layer.out_channels} | {layer.kernel_size[0]}×"
+            f"{layer.kernel_size[1]}, {layer.stride[0]} | {1 - layer.sparsity:.3f} | {ms['dense']:.2f} | "
+            f"{ms['snack']:.2f} | {ms['dense'] / ms['snack']:.2f} |"
+        )
+    emit.save(out)
+
+
+if __name__ == "__main__":
+    main()
