@@ -101,7 +101,8 @@ def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, 
 
         return hook
 
-    handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, snack.SparseConv2d)]
+    convolutions = [(n, m) for n, m in model.named_modules() if isinstance(m, snack.SparseConv2d)]
+    handles = [m.register_forward_hook(record(n)) for n, m in convolutions]
     with torch.no_grad():
         model(x)
     for handle in handles:

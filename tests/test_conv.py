@@ -124,7 +124,13 @@ def test_rows_and_columns_of_many_connections(stride):
                                       dict(kernel_size=1, stride=2), dict(kernel_size=2)], ids=str)  # fmt: skip
 def test_samples_folded_in_groups_or_one_by_one(geometry, batch, side):
     layer = snack.SparseConv2d(32, 32, sparsity=0.1, dtype=torch.float64, **geometry)
-    _check_against_dense(layer, torch.randn(batch, 32, side, side, dtype=torch.float64), "native")
+    x = torch.randn(batch, 32, side, side, dtype=torch.float64)
+    _check_against_dense(layer, x, "native")
+    layer.values.requires_grad_(False)  # the bias gradient alone reads dy as it comes, unfolded
+    y = layer(x)
+    dy = torch.randn_like(y)
+    (dbias,) = torch.autograd.grad(y, layer.bias, dy)
+    torch.testing.assert_close(dbias, dy.sum((0, 2, 3)))
 
 
 @pytest.mark.parametrize("frozen", ["values", "bias", "input"])

@@ -575,21 +575,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
       const int32_t* rp = rowptr.data_ptr<int32_t>();
       scalar_t* dvd = dvalues.data_ptr<scalar_t>();
       scalar_t* dbd = dbias.data_ptr<scalar_t>();
-      // samples outermost inside a task: one sample's input planes and output gradients stay in
-      // cache while the task's connections are scored against them (and the bias gradient sums
-      // each plane while it is there)
+      // sample groups outermost inside a task: a block of groups' input planes and output
+      // gradients stay in cache while the task's connections are scored against them (and the
+      // bias gradient sums each plane while it is there)
       const int64_t block = groups_per_block(g);
       at::parallel_for(0, O, 1, [&](int64_t first, int64_t last) {
         const scalar_t* window[kPass];
         scalar_t dots[kPass];
         for (int64_t g0 = 0; g0 < groups; g0 += block) {
-          const int64_t count = std::min(block, groups - g0);
-          const Walk walk = sample_walk(g, count, O);
+          const int64_t in_block = std::min(block, groups - g0);
+          const Walk walk = sample_walk(g, in_block, O);
           const scalar_t* sample = xd + g0 * g.C * channel_size;
           for (int64_t o = first; o < last; ++o) {
             const scalar_t* plane = dyd + (g0 * O + o) * plane_stride;
             if (bias_grad) {
-              for (int64_t r = 0; r < count; ++r) dbd[o] += plane_sum(plane + r * O * plane_stride, plane_stride);
+              for (int64_t r = 0; r < in_block; ++r) dbd[o] += plane_sum(plane + r * O * plane_stride, plane_stride);
             }
             if (!values_grad) continue;
             for (int64_t k = rp[o]; k < rp[o + 1]; k += kPass) {
