@@ -9,8 +9,8 @@ pooling) and ``→ width → 10``, built dense and sparsified that way. Either i
 Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
 initial weights as the sparse model) with identical data order, and prints a side-by-side table.
 The models train in lockstep on the same batches, so timing noise from a shared machine hits all
-of them alike. ``--device cuda`` trains on a GPU (the
-Triton kernels); each timed step then waits for the GPU to finish.
+of them alike. ``--device cuda`` trains on a GPU (the Triton kernels); each timed step then
+waits for the GPU to finish.
 """
 
 from __future__ import annotations
