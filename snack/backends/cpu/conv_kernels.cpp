@@ -82,6 +82,7 @@ struct Geometry {
   int64_t phases, Hs, Ws, fold, groups;
   std::vector<int64_t> phase_of_tap;                // tap i·kw + j → its phase's index among those kept
   std::vector<std::pair<int64_t, int64_t>> phase;  // kept phase → (row a, column b)
+  std::vector<int64_t> phase_at;                    // phase a·sw + b → its index among those kept, or -1
 
   int64_t plane_in() const { return Hp * Wp; }
   int64_t plane_out() const { return Ho * Wo; }
@@ -132,11 +133,11 @@ Geometry geometry(int64_t N, at::IntArrayRef input, at::IntArrayRef kernel, at::
   g.Wo = (g.Wp - g.dw * (g.kw - 1) - 1) / g.sw + 1;
   g.Hs = (g.Hp + g.sh - 1) / g.sh;
   g.Ws = (g.Wp + g.sw - 1) / g.sw;
-  std::vector<int64_t> kept(g.sh * g.sw, -1);  // phase a·sw + b → its index among those kept
+  g.phase_at.assign(g.sh * g.sw, -1);
   for (int64_t i = 0; i < g.kh; ++i) {
     for (int64_t j = 0; j < g.kw; ++j) {
       const int64_t a = i * g.dh % g.sh, b = j * g.dw % g.sw;
-      int64_t& index = kept[a * g.sw + b];
+      int64_t& index = g.phase_at[a * g.sw + b];
       if (index < 0) {
         index = static_cast<int64_t>(g.phase.size());
         g.phase.emplace_back(a, b);
@@ -258,13 +259,11 @@ Taps decode_taps(const at::Tensor& col, const Geometry& g) {
 }
 
 // How a window and a plane are walked: `rows` runs of `len` elements; run r of the plane starts
-// at r · plane_row, of the window at r · window_row. The forward and the input gradient walk one
-// run (flat_walk); the values gradient one per sample group of a block (sample_walk).
+// at r · plane_row, of the window at r · window_row: the values gradient's walk, one run per sample
+// group of a block (sample_walk). The forward and the input gradient walk one run of g.run().
 struct Walk {
   int64_t rows, len, plane_row, window_row;
 };
-
-Walk flat_walk(const Geometry& g) { return {1, g.run(), 0, 0}; }
 
 // The values gradient's flat walk over a block of sample groups: one run per group (the same
 // output channel's dy plane, the same source plane's window), so that a block's dot products are
@@ -439,7 +438,6 @@ at::Tensor widened(const at::Tensor& dy, const Geometry& g) {
 // zero. Tabled once per call.
 struct PhaseMerge {
   std::vector<int64_t> row_phase, row_offset, col_phase, col_offset;  // a·sw, i·Ws·fold; b, j·fold
-  std::vector<int64_t> phase_at;                                      // a·sw + b → kept phase or -1
 
   // dx (H, W) of the group's first `samples` samples, channel c, from the channel's source planes'
   // gradients `sums` (phases · plane_source); dx is the first sample's plane, the next ones lie
@@ -455,7 +453,7 @@ struct PhaseMerge {
         continue;
       }
       for (int64_t w = 0; w < W; ++w) {
-        const int64_t p = phase_at[row_phase[h] + col_phase[w]];
+        const int64_t p = g.phase_at[row_phase[h] + col_phase[w]];
         if (p < 0) {
           for (int64_t f = 0; f < samples; ++f) dx[f * sample_stride + w] = scalar_t(0);
           continue;
@@ -468,7 +466,7 @@ struct PhaseMerge {
 };
 
 PhaseMerge phase_merge(const Geometry& g, at::IntArrayRef crop, int64_t H, int64_t W) {
-  PhaseMerge m{{}, {}, {}, {}, std::vector<int64_t>(g.sh * g.sw, -1)};
+  PhaseMerge m;
   for (int64_t h = 0; h < H; ++h) {
     m.row_phase.push_back((h + crop[2]) % g.sh * g.sw);
     m.row_offset.push_back((h + crop[2]) / g.sh * g.Ws * g.fold);
@@ -477,7 +475,6 @@ PhaseMerge phase_merge(const Geometry& g, at::IntArrayRef crop, int64_t H, int64
     m.col_phase.push_back((w + crop[0]) % g.sw);
     m.col_offset.push_back((w + crop[0]) / g.sw * g.fold);
   }
-  for (int64_t p = 0; p < g.phases; ++p) m.phase_at[g.phase[p].first * g.sw + g.phase[p].second] = p;
   return m;
 }
 
