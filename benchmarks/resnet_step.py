@@ -10,7 +10,9 @@ RigL run would start. Two tables, each variant's times interleaved sample by sam
 (:func:`snack.bench.timing.interleaved_medians`), as medians:
 
 1. the whole model: a training step (forward, backward, SGD with momentum) and a no-grad forward
-   in eval mode;
+   in eval mode; then its memory: parameters, buffers and derived index arrays (a sparse layer's
+   values and indices), and the tensors autograd keeps from the training forward for the backward
+   (the activations);
 2. each distinct convolution of the 90% model on its own: a training step (forward, backward into
    the input and the weights) against ``nn.Conv2d`` of the same geometry, with the ERK density it
    got. It shows where the model's time goes and which layers a sparse kernel cannot win.
@@ -63,11 +65,16 @@ def resnet18(classes: int = 10) -> nn.Sequential:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
 
 
-def model_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
-    """Per task ("training", "inference"), a callable per model: dense and each sparsity."""
-    models = {"dense": resnet18()}
+def models() -> dict[str, nn.Module]:
+    """The dense model and one sparsified per sparsity, by name ("dense", "snack 0.9", ...)."""
+    built = {"dense": resnet18()}
     for sparsity in SPARSITIES:
-        models[f"snack {sparsity}"] = snack.sparsify(resnet18(), sparsity, distribution="erk", init="random")
+        built[f"snack {sparsity}"] = snack.sparsify(resnet18(), sparsity, distribution="erk", init="random")
+    return built
+
+
+def model_variants(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
+    """Per task ("training", "inference"), a callable per model."""
     tasks: dict[str, dict] = {"training": {}, "inference": {}}
     for name, model in models.items():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -85,6 +92,30 @@ def model_variants(x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
 
         tasks["training"][name], tasks["inference"][name] = step, infer
     return tasks
+
+
+def memory_mb(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """MB of ``model``'s parameters, buffers and the index arrays its sparse layers derived (after
+    a step), and of the tensors autograd keeps from a training forward for the backward, those not
+    counted (each storage once)."""
+    derived = [t for m in model.modules() if isinstance(m, snack.SparseLinear)
+               for t in m.topology.derived_so_far()]  # fmt: skip
+    tensors = (*model.parameters(), *model.buffers(), *derived)
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    saved = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in state:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        loss = F.cross_entropy(model(x), y)  # alive until the sums: no saved storage is freed and reused
+    mb = sum(state.values()) / 2**20, sum(saved.values()) / 2**20
+    del loss
+    return mb
 
 
 def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, snack.SparseConv2d, torch.Size]]:
@@ -138,10 +169,20 @@ def main() -> None:
     emit("")
     emit("| task | dense ms | " + " | ".join(f"snack {s} ms | dense/snack" for s in SPARSITIES) + " |")
     emit("|---|---|" + "---|---|" * len(SPARSITIES))
-    for task, fns in model_variants(x, y).items():
+    built = models()
+    for task, fns in model_variants(built, x, y).items():
         ms = {name: s * 1e3 for name, s in interleaved_medians(fns, cpu, SAMPLES).items()}
         cells = [f"{ms[f'snack {s}']:.1f} | {ms['dense'] / ms[f'snack {s}']:.2f}" for s in SPARSITIES]
         emit(f"| {task} | {ms['dense']:.1f} | " + " | ".join(cells) + " |")
+    emit("")
+    emit("Memory of a training step (MB): the weights (parameters, buffers, derived index arrays), and what "
+         "autograd keeps for the backward (activations, weights not counted):")  # fmt: skip
+    emit("")
+    emit("| model | weights | kept for the backward |")
+    emit("|---|---|---|")
+    for name, model in built.items():
+        state, kept = memory_mb(model, x, y)
+        emit(f"| {name} | {state:.1f} | {kept:.1f} |")
     emit("")
     emit(f"Each distinct convolution of the {SPARSITIES[0]} model, a training step of the layer alone:")
     emit("")

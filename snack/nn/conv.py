@@ -237,6 +237,8 @@ class SparseConv2d(SparseLinear):
             return None
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
+            if self.padding_mode == "zeros":  # F.conv2d pads inside, as nn.Conv2d: no padded copy kept for the backward
+                return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
             return F.conv2d(self._padded(x), weight, bias, self.stride, 0, self.dilation)
         if not direct.applies(x, values):
             return None

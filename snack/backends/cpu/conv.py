@@ -1,8 +1,8 @@
 """The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``),
 as one autograd node.
 
-Shapes: ``x (N, C, H, W)`` (padded here with zeros, or already with another mode), ``values
-(nnz,)``, ``bias (out,)`` or ``None`` → ``y (N, out, Ho, Wo)``. The kernels compute float32 and
+Shapes: ``x (N, C, H, W)`` (zero padded by the kernels, or already padded with another mode),
+``values (nnz,)``, ``bias (out,)`` or ``None`` → ``y (N, out, Ho, Wo)``. The kernels compute float32 and
 float64; other dtypes, autocast regions, compiled or traced code and ``torch.func`` transforms
 take the layer's im2col path instead
 (:meth:`snack.SparseConv2d.forward` decides).
@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from snack import backends
@@ -50,9 +49,10 @@ def direct_conv2d(
     x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
     recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor],
 ) -> Tensor:
-    """``y (N, out, Ho, Wo)`` of contiguous ``x (N, C, H, W)``, padded here by
-    ``geometry.zero_padding``; see the module docstring. (Padding here, not before the call,
-    lets the backward return the input gradient without the padding, in one pass.)
+    """``y (N, out, Ho, Wo)`` of contiguous ``x (N, C, H, W)``, zero padded by
+    ``geometry.zero_padding``; see the module docstring. The kernels pad, not the caller: the
+    backward then keeps only ``x`` (a padded copy saved for it would double the activation memory
+    convolutions keep) and returns the input gradient without the padding, in one pass.
 
     ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
     itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own."""
@@ -62,19 +62,19 @@ def direct_conv2d(
 class _DirectConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, bias, topology, geometry, recompute):
-        padded = F.pad(x, geometry.zero_padding) if any(geometry.zero_padding) else x
+        g = geometry
         y = torch.ops.snack_cpu.conv2d_forward(
-            padded, values, topology.rowptr, topology.col, bias, geometry.kernel, geometry.stride, geometry.dilation
+            x, values, topology.rowptr, topology.col, bias, g.kernel, g.stride, g.dilation, g.zero_padding
         )
         # values saved too: autograd's version check then refuses a backward after values changed
-        # (a rewire, an in-place clamp), as the layer's other paths do; x for create_graph
-        ctx.save_for_backward(x, padded, values, bias)
+        # (a rewire, an in-place clamp), as the layer's other paths do
+        ctx.save_for_backward(x, values, bias)
         ctx.topology, ctx.geometry, ctx.recompute = topology, geometry, recompute
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, padded, values, bias = ctx.saved_tensors
+        x, values, bias = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph: differentiate the recomputed result, whose ops have derivatives of every order
             return (*_gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
@@ -82,7 +82,7 @@ class _DirectConv2d(torch.autograd.Function):
         topology, g = ctx.topology, ctx.geometry
         needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
         dx, dvalues, dbias = torch.ops.snack_cpu.conv2d_backward(
-            dy, padded, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
+            dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
             g.kernel, g.stride, g.dilation, g.zero_padding, needs_input, needs_values, needs_bias,
         )  # fmt: skip
         grads = (dx, dvalues, dbias)

@@ -1,19 +1,21 @@
 // Native CPU kernels of snack.SparseConv2d: a direct sparse convolution, registered as
 // torch.ops.snack_cpu.* next to kernels.cpp (one library). The weight is the layer's sparse
 // (out, C·kh·kw) matrix: connection k joins output channel row[k] to input channel
-// c = col[k] / (kh·kw) at kernel tap (i, j) = divmod(col[k] % (kh·kw), kw). The input comes
-// padded (the layer pads it, with any padding mode), so no kernel tests a bound:
+// c = col[k] / (kh·kw) at kernel tap (i, j) = divmod(col[k] % (kh·kw), kw). Both kernels take
+// the input unpadded, x (N, C, H, W), with the zero padding = (left, right, top, bottom) to add
+// (other padding modes the layer applies first): xp is x padded to (N, C, Hp, Wp) = (N, C, H + top
+// + bottom, W + left + right). The kernels lay xp out themselves (see "Source planes"), so no inner
+// loop tests a bound:
 //
-//   conv2d_forward (x (N, C, Hp, Wp), values (nnz,), rowptr (out + 1,), col (nnz,), bias (out,)?,
-//                   kernel, stride, dilation)                          -> y (N, out, Ho, Wo)
-//       y[n, o] = bias[o] + Σ_{k in row o} values[k] · window_k(x[n, c_k])
+//   conv2d_forward (x, values (nnz,), rowptr (out + 1,), col (nnz,), bias (out,)?, kernel, stride,
+//                   dilation, padding)                                 -> y (N, out, Ho, Wo)
+//       y[n, o] = bias[o] + Σ_{k in row o} values[k] · window_k(xp[n, c_k])
 //   conv2d_backward (dy (N, out, Ho, Wo), x, values, row, col, rowptr, csc_perm, colptr, kernel,
-//                    stride, dilation, crop, input_grad, values_grad, bias_grad)
+//                    stride, dilation, padding, input_grad, values_grad, bias_grad)
 //                                          -> (dx (N, C, H, W), dvalues (nnz,), dbias (out,))
-//       dx: the adjoint, each connection adds values[k] · dy[n, row_k] into its window of dx[n, c_k],
-//       less the zero padding crop = (left, right, top, bottom) the caller added to x (H = Hp -
-//       top - bottom, W = Wp - left - right);
-//       dvalues[k] = Σ_n Σ_{h,w} dy[n, row_k, h, w] · window_k(x[n, c_k])[h, w];
+//       dx: the adjoint, each connection adds values[k] · dy[n, row_k] into its window of dxp[n, c_k],
+//       of which dx is the inside (the padding cut off);
+//       dvalues[k] = Σ_n Σ_{h,w} dy[n, row_k, h, w] · window_k(xp[n, c_k])[h, w];
 //       dbias[o] = Σ_n Σ_{h,w} dy[n, o, h, w]; each is empty (first dimension 0) when not asked for.
 //
 // window_k(plane)[h, w] = plane[h·sh + i·dh, w·sw + j·dw], the (Ho, Wo) patch tap (i, j) reads.
@@ -24,19 +26,20 @@
 // connection is a multiply-add of one input window into one output plane: the planes of a sample
 // stay in cache while its connections are walked, and nothing is unfolded.
 //
-// Flat walk: a window's rows lie Wp apart in the input, as the rows of an output plane laid out
+// Flat walk: a window's rows lie Wp apart in the padded input, as the rows of an output plane laid out
 // Wp wide do. So output position q = h·Wp + w reads input offset + q, and a whole window is one
 // contiguous run of L = (Ho - 1)·Wp + Wo elements, walked by one vector loop; the Wp - Wo columns
 // past each output row are computed and dropped (forward), or read as zeros of a widened dy
 // (backward). Walking row by row instead ran a short loop per row: at 8×8 images (Wo = 8, half an
 // AVX-512 vector) the values gradient ran scalar.
 //
-// Strides: the padded input is first split into its stride phases (sh·sw planes per channel, of
-// ceil(Hp/sh) × ceil(Wp/sw), phase (a, b) holding the elements at rows a + sh·i and columns
-// b + sw·j), and only those some tap reads are kept (a 1×1 kernel at stride 2 reads one of four).
-// Tap (i, j) then reads phase (i·dh mod sh, j·dw mod sw) at stride 1, shifted by
-// (i·dh div sh, j·dw div sw): every convolution is the flat walk over "source planes" (the input
-// itself at stride 1). The row-by-row walk this replaced strode through memory, one short row
+// Source planes: each call lays the padded input out as its kernels walk it (source_planes), once;
+// x itself when there is nothing to change. Strides: the padded input is split into its stride
+// phases (sh·sw planes per channel, of ceil(Hp/sh) × ceil(Wp/sw), phase (a, b) holding the
+// elements at rows a + sh·i and columns b + sw·j), and only those some tap reads are kept (a 1×1
+// kernel at stride 2 reads one of four). Tap (i, j) then reads phase (i·dh mod sh, j·dw mod sw)
+// at stride 1, shifted by (i·dh div sh, j·dw div sw): every convolution is the flat walk over
+// source planes (the padded input itself at stride 1). The row-by-row walk this replaced strode through memory, one short row
 // at a time: 3×3 layers at stride 2 ran 2.2-3.8x slower than MKL-DNN's dense convolution, a 1×1
 // one 12-17x (ResNet-18's downsampling layers at 90% ERK, batch 32, AMD Zen 4).
 //
@@ -45,6 +48,12 @@
 // group of `fold` samples side by side at each position (element (i·Ws + j)·fold + f is sample f
 // of the group at (i, j)): a tap's offset and the run grow fold times, and the kernels are the
 // same. See fold_samples for the sizes and the measured gains.
+//
+// Why the kernels pad: a caller that padded x and saved the copy for the backward (as this
+// library did until 2026-12-02) kept a second copy of every convolution's input alive between
+// forward and backward: a CIFAR ResNet-18 at 90% saved 228 MB of activations for its backward at
+// batch 32, against 143 MB for the dense model (PyTorch's convolutions pad inside too). The
+// backward lays out the padded input again, as it did already for strides and folded samples.
 //
 // Measured and dropped: register blocking of the forward (a block of 64 consecutive flat outputs
 // of a sample summed in four vector registers over a row's connections, channel after channel,
@@ -76,7 +85,9 @@ namespace {
 
 struct Geometry {
   int64_t kh, kw, sh, sw, dh, dw;  // kernel, stride, dilation
-  int64_t N, C, Hp, Wp, Ho, Wo;    // samples, input channels and padded size, output size
+  int64_t N, C, H, W;              // samples, input channels and size
+  int64_t left, right, top, bottom;  // the zero padding
+  int64_t Hp, Wp, Ho, Wo;          // the padded input's size, the output's
   // The source planes the kernels walk: per channel `phases` stride phases of Hs × Ws (see above),
   // each position holding `fold` samples side by side; the samples in `groups` of `fold`.
   int64_t phases, Hs, Ws, fold, groups;
@@ -84,12 +95,14 @@ struct Geometry {
   std::vector<std::pair<int64_t, int64_t>> phase;  // kept phase → (row a, column b)
   std::vector<int64_t> phase_at;                    // phase a·sw + b → its index among those kept, or -1
 
-  int64_t plane_in() const { return Hp * Wp; }
+  int64_t plane_in() const { return H * W; }
+  int64_t plane_padded() const { return Hp * Wp; }
   int64_t plane_out() const { return Ho * Wo; }
   int64_t plane_source() const { return Hs * Ws * fold; }
   bool strided() const { return sh != 1 || sw != 1; }
-  // the input itself is its source planes: one phase, one sample per position
-  bool in_place() const { return !strided() && fold == 1; }
+  bool padded() const { return Hp != H || Wp != W; }
+  // the input itself is its source planes: no padding, one phase, one sample per position
+  bool in_place() const { return !strided() && !padded() && fold == 1; }
   // the flat walk's run, in positions: output rows laid out Ws wide, the last one Wo long
   int64_t positions() const { return (Ho - 1) * Ws + Wo; }
   int64_t run() const { return positions() * fold; }
@@ -112,21 +125,29 @@ constexpr int64_t kMaxFold = 16;
 
 void fold_samples(Geometry& g, int64_t nnz, int64_t O) {
   int64_t wanted = 1;  // a power of two: no padding at the usual batch sizes
-  const bool heavy = 3 * nnz >= g.C * g.plane_in() + O * g.plane_out();
+  const bool heavy = 3 * nnz >= g.C * g.plane_padded() + O * g.plane_out();
   while (heavy && wanted * 2 <= std::min<int64_t>(kMaxFold, 2048 / g.positions())) wanted *= 2;
   g.groups = (g.N + wanted - 1) / wanted;
   g.fold = g.groups > 0 ? (g.N + g.groups - 1) / g.groups : 1;
 }
 
-// The geometry of a convolution of N samples of `input` = (C, Hp, Wp) into O output channels by
-// nnz connections (which decide whether samples fold).
+// The geometry of a convolution of N samples of `input` = (C, H, W), zero padded by `padding` =
+// (left, right, top, bottom), into O output channels by nnz connections (which decide whether
+// samples fold).
 Geometry geometry(int64_t N, at::IntArrayRef input, at::IntArrayRef kernel, at::IntArrayRef stride,
-                  at::IntArrayRef dilation, int64_t nnz, int64_t O) {
-  TORCH_CHECK(input.size() == 3 && kernel.size() == 2 && stride.size() == 2 && dilation.size() == 2,
-              "snack_cpu conv2d: input (C, Hp, Wp), kernel, stride and dilation pairs expected");
-  Geometry g{kernel[0], kernel[1], stride[0], stride[1], dilation[0], dilation[1], N, input[0], input[1], input[2]};
+                  at::IntArrayRef dilation, at::IntArrayRef padding, int64_t nnz, int64_t O) {
+  TORCH_CHECK(input.size() == 3 && kernel.size() == 2 && stride.size() == 2 && dilation.size() == 2 &&
+                  padding.size() == 4,
+              "snack_cpu conv2d: input (C, H, W), kernel, stride and dilation pairs and padding (left, right, "
+              "top, bottom) expected");
+  Geometry g{kernel[0],  kernel[1],  stride[0],  stride[1],  dilation[0], dilation[1], N, input[0], input[1],
+             input[2],   padding[0], padding[1], padding[2], padding[3]};
   TORCH_CHECK(g.kh > 0 && g.kw > 0 && g.sh > 0 && g.sw > 0 && g.dh > 0 && g.dw > 0,
               "snack_cpu conv2d: kernel, stride and dilation must be positive");
+  TORCH_CHECK(g.left >= 0 && g.right >= 0 && g.top >= 0 && g.bottom >= 0,
+              "snack_cpu conv2d: padding must not be negative");
+  g.Hp = g.H + g.top + g.bottom;
+  g.Wp = g.W + g.left + g.right;
   TORCH_CHECK(g.Hp >= g.dh * (g.kh - 1) + 1 && g.Wp >= g.dw * (g.kw - 1) + 1,
               "snack_cpu conv2d: the padded input is smaller than the dilated kernel");
   g.Ho = (g.Hp - g.dh * (g.kh - 1) - 1) / g.sh + 1;
@@ -196,12 +217,12 @@ void deinterleave(const scalar_t* in, int64_t fold, int64_t samples, int64_t cou
   }
 }
 
-// The source planes of a padded input (N, C, Hp, Wp): the input itself when g.in_place(), else
-// (groups, C·phases, Hs, Ws·fold) with phase p of channel c at plane c·phases + p and sample
-// group·fold + f of position (i, j) at element (i·Ws + j)·fold + f. Elements past the input (Hp,
-// Wp not multiples of the stride, the last group's missing samples) are zeros: only dropped
-// outputs read them, but a values gradient multiplies them by a widened dy's zeros, and garbage
-// could be NaN.
+// The source planes of x (N, C, H, W): x itself when g.in_place(), else (groups, C·phases, Hs,
+// Ws·fold) with phase p = (a, b) of channel c at plane c·phases + p, and sample group·fold + f of
+// position (i, j) at element (i·Ws + j)·fold + f: padded input position (a + i·sh, b + j·sw).
+// The padding, positions past the padded input (Hp, Wp not multiples of the stride) and the last
+// group's missing samples are zeros: only dropped outputs read the latter two, but a values
+// gradient multiplies them by a widened dy's zeros, and garbage could be NaN.
 template <typename scalar_t>
 at::Tensor source_planes(const at::Tensor& x, const Geometry& g) {
   if (g.in_place()) return x;
@@ -218,16 +239,22 @@ at::Tensor source_planes(const at::Tensor& x, const Geometry& g) {
       for (int64_t p = 0; p < g.phases; ++p) {
         const auto [a, b] = g.phase[p];
         scalar_t* plane = dst + (task * g.phases + p) * g.plane_source();
-        if (!g.strided()) {  // the plane is one run of positions
+        if (!g.strided() && !g.padded()) {  // the plane is one run of the input's positions
           if (samples < g.fold) std::fill_n(plane, g.plane_source(), scalar_t(0));
           interleave(sample, samples, g.plane_in(), 1, plane, g.fold);
           continue;
         }
         std::fill_n(plane, g.plane_source(), scalar_t(0));
-        const int64_t columns = (g.Wp - b + g.sw - 1) / g.sw;
-        for (int64_t i = 0; a + i * g.sh < g.Hp; ++i) {
-          for (int64_t f = 0; f < samples; ++f) row[f] = sample[f] + (a + i * g.sh) * g.Wp + b;
-          interleave(row, samples, columns, g.sw, plane + i * g.Ws * g.fold, g.fold);
+        // the phase's columns inside the input: j from `first` on, input column w0 + (j - first)·sw
+        const int64_t first = (std::max<int64_t>(g.left - b, 0) + g.sw - 1) / g.sw;
+        const int64_t w0 = b + first * g.sw - g.left;
+        if (w0 >= g.W) continue;
+        const int64_t columns = (g.W - w0 + g.sw - 1) / g.sw;
+        for (int64_t i = 0; i < g.Hs; ++i) {
+          const int64_t h = a + i * g.sh - g.top;  // the input row of the phase's row i
+          if (h < 0 || h >= g.H) continue;
+          for (int64_t f = 0; f < samples; ++f) row[f] = sample[f] + h * g.W + w0;
+          interleave(row, samples, columns, g.sw, plane + (i * g.Ws + first) * g.fold, g.fold);
         }
       }
     }
@@ -356,12 +383,12 @@ void check_topology(const at::Tensor& values, const at::Tensor& col, const at::T
 
 at::Tensor conv2d_forward(const at::Tensor& x, const at::Tensor& values, const at::Tensor& rowptr,
                           const at::Tensor& col, const c10::optional<at::Tensor>& bias, at::IntArrayRef kernel,
-                          at::IntArrayRef stride, at::IntArrayRef dilation) {
+                          at::IntArrayRef stride, at::IntArrayRef dilation, at::IntArrayRef padding) {
   check_topology(values, col, rowptr, "conv2d_forward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
-              "conv2d_forward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
+              "conv2d_forward: x must be a contiguous (N, C, H, W) tensor of the values' dtype");
   const int64_t N = x.size(0), O = rowptr.numel() - 1;
-  const Geometry g = geometry(N, x.sizes().slice(1), kernel, stride, dilation, col.numel(), O);
+  const Geometry g = geometry(N, x.sizes().slice(1), kernel, stride, dilation, padding, col.numel(), O);
   if (bias.has_value())
     TORCH_CHECK(bias->dim() == 1 && bias->numel() == O && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
@@ -431,7 +458,7 @@ at::Tensor widened(const at::Tensor& dy, const Geometry& g) {
   return wide;
 }
 
-// Where each element of an input plane's gradient (H, W, without the crop) lies in its channel's
+// Where each element of an input plane's gradient (H, W, without the padding) lies in its channel's
 // source planes: row h at (a, i) = divmod(h + top, sh), column w at (b, j) = divmod(w + left, sw),
 // so element (h, w) of the group's sample f is source plane phase(a, b), element
 // (i·Ws + j)·fold + f. A phase no tap reads has no connection into it: its elements' gradients are
@@ -465,15 +492,15 @@ struct PhaseMerge {
   }
 };
 
-PhaseMerge phase_merge(const Geometry& g, at::IntArrayRef crop, int64_t H, int64_t W) {
+PhaseMerge phase_merge(const Geometry& g) {
   PhaseMerge m;
-  for (int64_t h = 0; h < H; ++h) {
-    m.row_phase.push_back((h + crop[2]) % g.sh * g.sw);
-    m.row_offset.push_back((h + crop[2]) / g.sh * g.Ws * g.fold);
+  for (int64_t h = 0; h < g.H; ++h) {
+    m.row_phase.push_back((h + g.top) % g.sh * g.sw);
+    m.row_offset.push_back((h + g.top) / g.sh * g.Ws * g.fold);
   }
-  for (int64_t w = 0; w < W; ++w) {
-    m.col_phase.push_back((w + crop[0]) % g.sw);
-    m.col_offset.push_back((w + crop[0]) / g.sw * g.fold);
+  for (int64_t w = 0; w < g.W; ++w) {
+    m.col_phase.push_back((w + g.left) % g.sw);
+    m.col_offset.push_back((w + g.left) / g.sw * g.fold);
   }
   return m;
 }
@@ -489,13 +516,13 @@ scalar_t plane_sum(const scalar_t* __restrict plane, int64_t size) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
     const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& values, const at::Tensor& row,
     const at::Tensor& col, const at::Tensor& rowptr, const at::Tensor& csc_perm, const at::Tensor& colptr,
-    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, at::IntArrayRef crop, bool input_grad,
-    bool values_grad, bool bias_grad) {
+    at::IntArrayRef kernel, at::IntArrayRef stride, at::IntArrayRef dilation, at::IntArrayRef padding,
+    bool input_grad, bool values_grad, bool bias_grad) {
   check_topology(values, col, rowptr, "conv2d_backward");
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous() && x.scalar_type() == values.scalar_type(),
-              "conv2d_backward: x must be a contiguous (N, C, Hp, Wp) tensor of the values' dtype");
+              "conv2d_backward: x must be a contiguous (N, C, H, W) tensor of the values' dtype");
   const int64_t N = x.size(0), O = rowptr.numel() - 1, nnz = col.numel();
-  const Geometry g = geometry(N, x.sizes().slice(1), kernel, stride, dilation, nnz, O);
+  const Geometry g = geometry(N, x.sizes().slice(1), kernel, stride, dilation, padding, nnz, O);
   const int64_t taps_per_channel = g.kh * g.kw;
   TORCH_CHECK(dy_in.dim() == 4 && dy_in.scalar_type() == x.scalar_type() && dy_in.size(0) == N &&
                   dy_in.size(1) == O && dy_in.size(2) == g.Ho && dy_in.size(3) == g.Wo,
@@ -504,16 +531,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
                   csc_perm.scalar_type() == at::kInt && colptr.numel() == g.C * taps_per_channel + 1 &&
                   colptr.scalar_type() == at::kInt,
               "conv2d_backward: row, csc_perm (nnz,) and colptr (C·kh·kw + 1,) int32 expected");
-  TORCH_CHECK(crop.size() == 4 && crop[0] >= 0 && crop[1] >= 0 && crop[2] >= 0 && crop[3] >= 0 &&
-                  crop[0] + crop[1] < g.Wp && crop[2] + crop[3] < g.Hp,
-              "conv2d_backward: crop must be (left, right, top, bottom), inside the padded input");
-  // dx of the input before its zero padding (crop): each task sums its channel's source planes in a
-  // buffer of its own and keeps the inside (merging the stride phases back), where a padded dx cut
-  // by autograd took another pass over memory. Buffers are zeroed by their tasks, in cache
-  // (at::zeros was a pass of its own); at stride 1, unfolded, without padding the task sums in dx.
-  const int64_t H = g.Hp - crop[2] - crop[3], W = g.Wp - crop[0] - crop[1];
-  const bool in_place = g.in_place() && H == g.Hp && W == g.Wp;
-  auto dx = at::empty({input_grad ? N : 0, g.C, H, W}, x.options());
+  // dx without the padding: each task sums its channel's source planes in a buffer of its own and
+  // keeps the inside (merging the stride phases back), where a padded dx cut by autograd took
+  // another pass over memory. Buffers are zeroed by their tasks, in cache (at::zeros was a pass of
+  // its own); at stride 1, unfolded, without padding the task sums in dx.
+  auto dx = at::empty({input_grad ? N : 0, g.C, g.H, g.W}, x.options());
   auto dvalues = at::zeros({values_grad ? nnz : 0}, x.options());
   auto dbias = at::zeros({bias_grad ? O : 0}, x.options());
   if (N == 0 || g.plane_out() == 0) {
@@ -536,14 +558,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
       const int32_t* perm = csc_perm.data_ptr<int32_t>();
       const int32_t* cp = colptr.data_ptr<int32_t>();
       scalar_t* dxd = dx.data_ptr<scalar_t>();
-      const PhaseMerge merge = phase_merge(g, crop, H, W);
+      const PhaseMerge merge = phase_merge(g);
       at::parallel_for(0, g.groups * g.C, 1, [&](int64_t begin, int64_t end) {
         scalar_t v[kPass];
         const scalar_t* plane[kPass];
-        std::vector<scalar_t> buffer(in_place ? 0 : channel_size);
+        std::vector<scalar_t> buffer(g.in_place() ? 0 : channel_size);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t group = task / g.C, c = task % g.C;
-          scalar_t* sums = in_place ? dxd + task * g.plane_in() : buffer.data();
+          scalar_t* sums = g.in_place() ? dxd + task * g.plane_in() : buffer.data();
           std::fill_n(sums, channel_size, scalar_t(0));
           const scalar_t* sample = dyd + group * O * plane_stride;
           for (int64_t tap = 0; tap < taps_per_channel; ++tap) {
@@ -559,9 +581,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
               SNACK_CONV_DISPATCH(multiply_add, count, window, plane, v, g.run());
             }
           }
-          if (!in_place) {
+          if (!g.in_place()) {
             const int64_t samples = std::min(g.fold, N - group * g.fold);
-            merge.apply(sums, samples, dxd + (group * g.fold * g.C + c) * H * W, g.C * H * W, g);
+            merge.apply(sums, samples, dxd + (group * g.fold * g.C + c) * g.plane_in(), g.C * g.plane_in(), g);
           }
         }
       });
@@ -612,10 +634,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(
 TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
   m.def(
       "conv2d_forward(Tensor x, Tensor values, Tensor rowptr, Tensor col, Tensor? bias, int[2] kernel, "
-      "int[2] stride, int[2] dilation) -> Tensor");
+      "int[2] stride, int[2] dilation, int[4] padding) -> Tensor");
   m.def(
       "conv2d_backward(Tensor dy, Tensor x, Tensor values, Tensor row, Tensor col, Tensor rowptr, "
-      "Tensor csc_perm, Tensor colptr, int[2] kernel, int[2] stride, int[2] dilation, int[4] crop, "
+      "Tensor csc_perm, Tensor colptr, int[2] kernel, int[2] stride, int[2] dilation, int[4] padding, "
       "bool input_grad, bool values_grad, bool bias_grad) -> (Tensor, Tensor, Tensor)");
 }
 
