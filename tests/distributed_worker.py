@@ -26,7 +26,10 @@ LOCAL_BATCH = 8
 
 def model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 5)).double()
+    # a convolution too: RigL scores it from the padded inputs alone, from the gathered im2col rows
+    # on several ranks, and both must grow the same connections
+    net = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 6, 2, padding=1), nn.Flatten(), nn.ReLU(),
+                        nn.Linear(54, 20), nn.ReLU(), nn.Linear(20, 5)).double()  # fmt: skip
     return snack.sparsify(net, 0.7, init="random")
 
 
@@ -130,8 +133,8 @@ def another_topology_on_one_rank(rank: int) -> str:
     dst = snack.dst.SET(net, optimizer, drop_fraction=0.5, update_every=1, total_steps=10)
     if rank == 1:  # e.g. a checkpoint of another run loaded on one rank only
         torch.manual_seed(99)
-        other = snack.SparseLinear(12, 20, sparsity=0.7, dtype=torch.float64)
-        net[0].set_topology(other.row, other.col)
+        other = snack.SparseLinear(54, 20, sparsity=0.7, dtype=torch.float64)
+        net[4].set_topology(other.row, other.col)
     return failure(dst.step)
 
 

@@ -15,6 +15,8 @@ from torch import nn
 
 import snack
 from snack.dst.capture import GradientCapture
+from snack.dst.prune_grow import gradient_grow, linear_index
+from snack.topology import BLOCK_ELEMENTS
 from tests.test_truly_sparse import LargestTensorMode
 
 GEOMETRIES = [
@@ -340,11 +342,47 @@ def test_rigl_records_give_the_dense_weight_gradient(path):
     capture.arm()
     x = torch.randn(3, 3, 9, 8, dtype=torch.float64)
     _run(layer, x, path).square().sum().backward()
-    x_rows, dy_rows = capture.batch(0)
+    x_kept, dy_rows = capture.batch(0)
+    torch.testing.assert_close(x_kept, F.pad(x, (1, 1, 1, 1)))  # the padded input, not its im2col rows
     dense = _dense_twin(layer)
     dense(x).square().sum().backward()
-    torch.testing.assert_close(dy_rows.T @ x_rows, dense.weight.grad.reshape(4, -1))
+    gradient = dense.weight.grad.reshape(4, -1)
+    torch.testing.assert_close(dy_rows.T @ layer._rows_of_record(x_kept), gradient)
     capture.disarm()
+    # growth scored from the padded input: the largest |∂L/∂W| among inactive positions, in one
+    # block or one row a block (which also samples a bar from strided rows)
+    inactive = gradient.abs().flatten()
+    inactive[linear_index(layer.topology)] = -1
+    expected = inactive.topk(12).indices.sort().values
+    for block_elements in (BLOCK_ELEMENTS, layer.in_features):
+        grown = gradient_grow(x_kept, dy_rows, layer.topology, 12, block_elements=block_elements, convolution=layer)
+        assert torch.equal(grown, expected)
+
+
+def test_rigl_records_calls_on_two_image_sizes_as_rows():
+    layer = snack.SparseConv2d(2, 3, 3, padding=1, sparsity=0.5, dtype=torch.float64)
+    dense = _dense_twin(layer)
+    capture = GradientCapture([layer])
+    capture.arm()
+    for size in (5, 7):  # padded inputs of two sizes cannot be concatenated: their rows can
+        x = torch.randn(2, 2, size, size, dtype=torch.float64)
+        layer(x).square().sum().backward()
+        dense(x).square().sum().backward()
+    x_rows, dy_rows = capture.batch(0)
+    capture.disarm()
+    assert x_rows.shape == (2 * 25 + 2 * 49, layer.in_features)
+    torch.testing.assert_close(dy_rows.T @ x_rows, dense.weight.grad.reshape(3, -1))
+
+
+def test_gradient_grow_refuses_a_padded_input_without_its_convolution():
+    layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5)
+    x, dy = torch.randn(1, 2, 5, 5), torch.randn(9, 3)
+    with pytest.raises(ValueError, match=r"x must be \(B, in\) rows, or a convolution's padded input"):
+        gradient_grow(x, dy, layer.topology, 2)
+    with pytest.raises(ValueError, match="convolution= the layer"):
+        gradient_grow(layer._rows_of_record(x), dy, layer.topology, 2, convolution=layer)
+    with pytest.raises(ValueError, match="x must have 2 channels, got"):
+        gradient_grow(torch.randn(1, 3, 5, 5), dy, layer.topology, 2, convolution=layer)
 
 
 def test_rigl_trains_a_small_cnn():

@@ -58,13 +58,15 @@ class DropGrow(DynamicSparsity):
     default drops the smallest ``|w|``). Both see one layer and ``k``, may draw from
     ``self.generator`` (seeded, saved in :meth:`state_dict`) and must not change anything. Set
     ``needs_gradient = True`` to read the step's inputs and output gradients with
-    :meth:`recorded_batch`. Everything else is this class's: the schedule, the optimizer-state
-    remap, checking what the hooks return (``k`` unique positions each; grown ones inactive, or
-    dropped by this update: a regrown connection restarts at its grow value with fresh optimizer
-    state), all layers planned before any changes, and on several ranks one choice (rank 0's) for
-    all. Frozen layers are left alone (see :class:`DynamicSparsity`); with ``needs_gradient``, so
-    is a layer whose recorded batch has a non-finite value (inf or NaN: an overflowed
-    mixed-precision step), with a ``RuntimeWarning`` naming it and the step::
+    :meth:`recorded_batch` (a convolution's as im2col rows; :meth:`recorded_as_kept` gives its
+    padded input, which ``gradient_grow(..., convolution=layer)`` scores without them). Everything
+    else is this class's: the schedule, the optimizer-state remap, checking what the hooks return
+    (``k`` unique positions each; grown ones inactive, or dropped by this update: a regrown
+    connection restarts at its grow value with fresh optimizer state), all layers planned before any
+    changes, and on several ranks one choice (rank 0's) for all. Frozen layers are left alone (see
+    :class:`DynamicSparsity`); with ``needs_gradient``, so is a layer whose recorded batch has a
+    non-finite value (inf or NaN: an overflowed mixed-precision step), with a ``RuntimeWarning``
+    naming it and the step::
 
         class RandomDropGradientGrow(snack.dst.DropGrow):
             needs_gradient = True
@@ -269,8 +271,8 @@ class RigL(DropGrow):
     needs_gradient = True
 
     def grow(self, layer, k):
-        x, dy = self.recorded_batch(layer)
-        return gradient_grow(x, dy, layer.topology, k)
+        x, dy = self.recorded_as_kept(layer)  # a convolution's padded input, not its im2col rows
+        return gradient_grow(x, dy, layer.topology, k, convolution=layer if x.dim() == 4 else None)
 
 
 class GradualPruning(DynamicSparsity):

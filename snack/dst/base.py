@@ -171,16 +171,26 @@ class DynamicSparsity:
         this update step's training step (every forward and backward of it), in the layer's
         dtype; on several ranks, every rank's rows. For use while planning an update of an
         algorithm with ``needs_gradient = True``. ``∂L/∂W = dYᵀ·X``: score it in blocks (see
-        :func:`snack.dst.prune_grow.gradient_grow`) rather than form it."""
+        :func:`snack.dst.prune_grow.gradient_grow`) rather than form it. A convolution's ``X`` are
+        its im2col rows, formed by this call (RigL scores the padded input it kept instead: see
+        :meth:`recorded_as_kept`)."""
+        x, dy = self.recorded_as_kept(layer)
+        return layer._rows_of_record(x), dy
+
+    def recorded_as_kept(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
+        """:meth:`recorded_batch` as the records hold it: ``X`` is a convolution's padded input
+        ``(N, C, Hp, Wp)`` (:func:`snack.dst.prune_grow.gradient_grow` takes it with
+        ``convolution=``), or its rows where the calls' inputs differed in size or several ranks
+        gathered them; other layers' ``X`` are their rows."""
         for index, (_, candidate) in enumerate(self.layers):
             if candidate is layer:
                 break
         else:
-            raise ValueError(f"recorded_batch: {layer!r} is not one of the layers this {type(self).__name__} acts on")
+            raise ValueError(f"{layer!r} is not one of the layers this {type(self).__name__} acts on")
         recorded = self._batches[index] if index < len(self._batches) else None
         if recorded is None or recorded is ON_RANK_ZERO:
             raise RuntimeError(
-                "recorded_batch: no batch is recorded for this layer now; it is available while an update of an "
+                "no batch is recorded for this layer now; it is available while an update of an "
                 "algorithm with needs_gradient = True (a class attribute, read when the object is built) is planned"
             )
         return recorded
@@ -305,6 +315,7 @@ class DynamicSparsity:
             return recorded if recorded is None else tuple(t.to(values.dtype) for t in recorded)
         x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
                                                         values.new_empty(0, layer.out_features))
+        x = x if recorded is None else layer._rows_of_record(x)  # rows: ranks' inputs may differ in size
         x, rows = distributed.gather_rows(x.to(values.dtype), self._group)
         dy, _ = distributed.gather_rows(dy.to(values.dtype), self._group)
         if rows == 0:

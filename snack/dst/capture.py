@@ -16,7 +16,8 @@ it is at the update, not as the forward saw it. Layers whose ``values`` do not r
 
 Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
 elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
-see :func:`snack.dst.prune_grow.gradient_grow`).
+see :func:`snack.dst.prune_grow.gradient_grow`). A convolution keeps its padded input, not the
+im2col rows (``kh·kw`` times as many elements), and ``dY`` as rows ``(N · H_out · W_out, out)``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = ["GradientCapture"]
 
 
 class GradientCapture:
-    """Armable recorder of ``(X (B, in), dY (B, out))`` for a list of layers."""
+    """Armable recorder of ``(X, dY (B, out))`` for a list of layers: ``X`` as each layer keeps it
+    (``_record_of_input``: rows ``(B, in)``, a convolution's padded input ``(N, C, Hp, Wp)``)."""
 
     def __init__(self, layers: list[SparseLinear]):
         self.layers = layers
@@ -82,23 +84,28 @@ class GradientCapture:
         self._records = [[] for _ in self.layers]
 
     def batch(self, index: int) -> tuple[Tensor, Tensor] | None:
-        """``(X (N, in), dY (N, out))`` of every recorded call that reached backward, else ``None``."""
+        """``(X, dY (N, out))`` of every recorded call that reached backward, else ``None``; ``X``
+        as the layer keeps it, or its rows ``(N, in)`` where calls' records differ in shape (a
+        convolution run on two image sizes)."""
         done = [(x, dy) for x, dy in self._records[index] if dy is not None]
         if not done:
             return None
         if len(done) == 1:  # the usual case: no copy
             return done[0]
-        return torch.cat([x for x, _ in done]), torch.cat([dy for _, dy in done])
+        xs = [x for x, _ in done]
+        if any(x.shape[1:] != xs[0].shape[1:] for x in xs):
+            xs = [self.layers[index]._rows_of_record(x) for x in xs]
+        return torch.cat(xs), torch.cat([dy for _, dy in done])
 
     def record(self, index: int, x: Tensor, output: Tensor) -> None:
-        """Keep ``x`` as rows ``(N, in)`` and, when backward reaches ``output``, its gradient as rows
-        ``(N, out)`` (the layer's ``_rows_of_input``/``_rows_of_output``: a convolution's are its
-        im2col rows, so ``dYᵀ·X`` is its weight gradient too)."""
+        """Keep ``x`` as the layer keeps it (``_record_of_input``) and, when backward reaches
+        ``output``, its gradient as rows ``(N, out)`` (``_rows_of_output``: for a convolution, row
+        for row with the im2col rows of ``x``, so that ``dYᵀ·rows`` is its weight gradient)."""
         layer = self.layers[index]
         # A copy, not the input itself: the caller may change the input in place once its backward
         # is done (a reused buffer, an adversarial step), and the update must score what this
         # forward saw. Only update steps record, so the copy is rare.
-        record = [layer._rows_of_input(x.detach()), None]
+        record = [layer._record_of_input(x.detach()), None]
         self._records[index].append(record)
 
         def grad_hook(grad: Tensor) -> None:
@@ -113,8 +120,9 @@ class GradientCapture:
         # too). An in-place op on that view (ReLU(inplace=True)) replaces the view's autograd
         # history, and a hook on the view would never fire; one on the (N, out) result still sees dY.
         to_rows = layer._rows_of_output
-        if output._base is not None and output._base.shape == (record[0].shape[0], layer.out_features):
-            output, to_rows = output._base, lambda grad: grad.reshape(-1, layer.out_features)
+        base = output._base
+        if base is not None and base.shape == (output.numel() // layer.out_features, layer.out_features):
+            output, to_rows = base, lambda grad: grad.reshape(-1, layer.out_features)
         output.register_hook(grad_hook)
 
 

@@ -7,6 +7,7 @@ Positions are *linear* indices ``r · in_features + c`` (int64). Nothing here al
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -15,6 +16,9 @@ from snack.indexing import flat_nonzero, inactive_positions, native_for, positio
 from snack.ranking import k_largest_positions, k_smallest_positions, kth_largest, ordering_keys
 from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
+
+if TYPE_CHECKING:
+    from snack.nn import SparseConv2d
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
@@ -73,7 +77,10 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 
 
 @torch.no_grad()
-def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS) -> Tensor:
+def gradient_grow(
+    x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS,
+    convolution: SparseConv2d | None = None,
+) -> Tensor:
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
     ``∂L/∂W[r, c] = Σ_b dy[b, r] · x[b, c]``. It is formed one block of rows at a time
@@ -91,13 +98,21 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     torch's matrix product in the last bit). Equal scores go to the lower position; NaN ranks
     above every number.
 
+    A convolution's ``∂L/∂W`` is scored from its padded input instead of its im2col rows
+    (``convolution=``): each block is the weight gradient of a block of output channels, by
+    torch's convolution backward, never the rows (``kh·kw`` times the input's size).
+
     Args:
-        x: ``(B, in)`` layer inputs of the batch.
-        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs. ``x`` and
-            ``dy`` in float16 or bfloat16 are scored in float32.
+        x: ``(B, in)`` layer inputs of the batch; with ``convolution``, its padded input ``(N, C,
+            Hp, Wp)`` (as :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it).
+        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (a convolution's:
+            ``(N · H_out · W_out, out)``, positions in row-major order). ``x`` and ``dy`` in
+            float16 or bfloat16 are scored in float32.
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
         block_elements: how many scores one block may hold (a block has at least one row).
+        convolution: the :class:`snack.SparseConv2d` whose padded input ``x`` is (its kernel
+            size, stride and dilation).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -105,9 +120,19 @@ def gradient_grow(x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_el
     out_features, in_features = topology.shape
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
+    if (x.dim() == 4) != (convolution is not None):
+        raise ValueError(
+            f"gradient_grow: x must be (B, in) rows, or a convolution's padded input (N, C, Hp, Wp) with "
+            f"convolution= the layer; got x of shape {tuple(x.shape)} and convolution={convolution!r}"
+        )
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    scores = _GradientScores(x, dy, topology)
+    if convolution is not None and x.shape[1] != convolution.in_channels:
+        raise ValueError(f"gradient_grow: x must have {convolution.in_channels} channels, got {tuple(x.shape)}")
+    if convolution is None:
+        scores = _GradientScores(x, dy, topology)
+    else:
+        scores = _ConvolutionScores(x, dy, topology, convolution)
     rows_per_block = max(1, block_elements // in_features)
     sampled_bar = _sampled_bar(scores, k, rows_per_block)
     if sampled_bar is not None:
@@ -151,7 +176,7 @@ class _GradientScores:
             )
         keys = self.of_rows(first, last)
         entering = positions_where(keys, ">" if strict else ">=", bar)
-        return keys.index_select(0, entering), entering + first * self.x.shape[1]
+        return keys.index_select(0, entering), entering + first * self.topology.shape[1]
 
     @functools.cached_property
     def _rowptr(self) -> list[int]:
@@ -161,15 +186,15 @@ class _GradientScores:
 
     def of_rows(self, first: int, last: int) -> Tensor:
         """``((last - first) · in,)`` keys of rows ``first .. last - 1``."""
-        keys = self._keys(self.dy_t[first:last])
+        keys = self._keys(slice(first, last))
         lo, hi = self._rowptr[first], self._rowptr[last]
         row, col = self.topology.row[lo:hi].to(torch.int64), self.topology.col[lo:hi]
-        keys.index_fill_(0, (row - first) * self.x.shape[1] + col, -1)
+        keys.index_fill_(0, (row - first) * self.topology.shape[1] + col, -1)
         return keys
 
     def of_strided_rows(self, stride: int) -> Tensor:
         """``(rows · in,)`` keys of rows ``0, stride, 2·stride, ...``."""
-        keys = self._keys(self.dy_t[::stride])
+        keys = self._keys(slice(None, None, stride))
         # their connections, row by row through the row pointer (testing every connection's row
         # took 40 ms at 1.7M connections)
         rowptr = self.topology.rowptr.to(torch.int64)
@@ -177,13 +202,34 @@ class _GradientScores:
         sample_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
         starts = first - (torch.cumsum(counts, 0) - counts)  # entry i of sampled row r is starts[r] + i
         entries = starts[sample_row] + torch.arange(sample_row.numel(), device=counts.device)
-        keys.index_fill_(0, sample_row * self.x.shape[1] + self.topology.col.index_select(0, entries), -1)
+        keys.index_fill_(0, sample_row * self.topology.shape[1] + self.topology.col.index_select(0, entries), -1)
         return keys
 
-    def _keys(self, dy_rows: Tensor) -> Tensor:
-        """The flattened keys of ``|dy_rows · x|`` for ``dy_rows`` ``(rows, B)``, rows of dyᵀ."""
+    def _keys(self, rows: slice) -> Tensor:
+        """The flattened keys of ``|∂L/∂W|`` of ``rows`` (a slice of the output features)."""
         # (contiguous rows of dyᵀ: the product took twice as long from strided ones)
-        return ordering_keys((dy_rows.to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        return ordering_keys((self.dy_t[rows].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+
+
+class _ConvolutionScores(_GradientScores):
+    """:class:`_GradientScores` of a convolution from its padded input ``x (N, C, Hp, Wp)``: a
+    block of rows is the weight gradient of a block of output channels, by torch's convolution
+    backward (oneDNN on the CPU), ``(rows, C, kh, kw)``, the rows' order of ``in_features``."""
+
+    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, convolution: SparseConv2d):
+        self.dtype = torch.promote_types(x.dtype, torch.float32)
+        self.x = x.to(self.dtype)
+        self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)
+        self.topology = topology
+        self.native = False
+        self.geometry = convolution.kernel_size, convolution.stride, convolution.dilation
+
+    def _keys(self, rows: slice) -> Tensor:
+        (kh, kw), stride, dilation = self.geometry
+        dy = self.dy[:, rows]
+        weight_size = (dy.shape[1], self.x.shape[1], kh, kw)
+        gradient = torch.nn.grad.conv2d_weight(self.x, weight_size, dy, stride, 0, dilation)
+        return ordering_keys(gradient.abs_().view(-1))
 
 
 # A layer of fewer scores is ranked without a sampled bar unless it spans 4 blocks: the sample's

@@ -421,14 +421,19 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ rows for RigL
 
-    def _rows_of_input(self, x: Tensor) -> Tensor:
-        """``x (*, in_features)`` → ``(N, in_features)``, a copy: the rows the layer multiplies by
-        the weight (what RigL's growth scores read)."""
+    def _record_of_input(self, x: Tensor) -> Tensor:
+        """What RigL keeps of an input ``x (*, in_features)``, a copy: here its rows ``(N,
+        in_features)``, which the layer multiplies by the weight (a convolution keeps less)."""
         return x.reshape(-1, self.in_features).clone()
+
+    def _rows_of_record(self, record: Tensor) -> Tensor:
+        """The rows ``(N, in_features)`` of an input :meth:`_record_of_input` kept (here the record
+        itself): ``dYᵀ·rows`` is the weight gradient."""
+        return record
 
     def _rows_of_output(self, y: Tensor) -> Tensor:
         """An output (or its gradient) ``(*, out_features)`` → ``(N, out_features)``, row for row
-        with :meth:`_rows_of_input`."""
+        with :meth:`_rows_of_record`."""
         return y.reshape(-1, self.out_features)
 
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
