@@ -13,13 +13,17 @@ RigL run would start. Two tables, each variant's times interleaved sample by sam
    in eval mode; then its memory: parameters, buffers and derived index arrays (a sparse layer's
    values and indices), and the tensors autograd keeps from the training forward for the backward
    (the activations);
-2. each distinct convolution of the 90% model on its own: a training step (forward, backward into
+2. RigL on the 90% model: a training step that records for an update plus the update
+   (``dst.step()``), against a plain training step, and what the records hold (a convolution's
+   padded input, and what its im2col rows would take);
+3. each distinct convolution of the 90% model on its own: a training step (forward, backward into
    the input and the weights) against ``nn.Conv2d`` of the same geometry, with the ERK density it
    got. It shows where the model's time goes and which layers a sparse kernel cannot win.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -118,6 +122,41 @@ def memory_mb(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return mb
 
 
+def rigl_variants(x: torch.Tensor, y: torch.Tensor) -> tuple[dict, snack.dst.RigL]:
+    """A plain training step of the 90% model and one of a copy under RigL updating at every step
+    (each step records ``X`` and ``dY``, then ``dst.step()`` rewires; ``update=False`` skips that),
+    and that RigL object."""
+    plain = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random")
+    rewired = copy.deepcopy(plain)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    rewired_optimizer = torch.optim.SGD(rewired.parameters(), lr=0.01, momentum=0.9)
+    dst = snack.dst.RigL(rewired, rewired_optimizer, update_every=1, total_steps=10**6)
+
+    def train(model, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    def update_step(update: bool = True):
+        train(rewired, rewired_optimizer)
+        if update:
+            dst.step()
+
+    return {"plain": lambda: train(plain, plain_optimizer), "RigL update": update_step}, dst
+
+
+def record_mb(dst: snack.dst.RigL) -> tuple[float, float, float]:
+    """MB of what ``dst`` recorded in the last training step: the inputs as kept, the same inputs
+    as im2col rows, the output gradients."""
+    kept = rows = gradients = 0
+    for (_, layer), calls in zip(dst.layers, dst._capture._records):
+        for x, dy in calls:
+            kept += x.numel() * x.element_size()
+            rows += layer._rows_of_record(x).numel() * x.element_size()
+            gradients += dy.numel() * dy.element_size()
+    return kept / 2**20, rows / 2**20, gradients / 2**20
+
+
 def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, snack.SparseConv2d, torch.Size]]:
     """``(name, layer, input shape)`` of each convolution of ``model`` with a geometry, density
     and input shape not seen before, in forward order."""
@@ -183,6 +222,15 @@ def main() -> None:
     for name, model in built.items():
         state, kept = memory_mb(model, x, y)
         emit(f"| {name} | {state:.1f} | {kept:.1f} |")
+    emit("")
+    steps, dst = rigl_variants(x, y)
+    ms = {name: s * 1e3 for name, s in interleaved_medians(steps, cpu, SAMPLES).items()}
+    emit(f"RigL on the {SPARSITIES[0]} model (update_every=1): a training step {ms['plain']:.1f} ms, with the "
+         f"recording and the update {ms['RigL update']:.1f} ms (+{ms['RigL update'] - ms['plain']:.1f} ms).")  # fmt: skip
+    steps["RigL update"](update=False)  # the records stay until dst.step(): measure them
+    kept, rows, gradients = record_mb(dst)
+    emit(f"Its records of a step: inputs {kept:.1f} MB (as im2col rows they would be {rows:.1f} MB), output "
+         f"gradients {gradients:.1f} MB.")  # fmt: skip
     emit("")
     emit(f"Each distinct convolution of the {SPARSITIES[0]} model, a training step of the layer alone:")
     emit("")
