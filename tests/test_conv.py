@@ -326,6 +326,24 @@ def test_sparsify_and_densify_convert_convolutions():
     torch.testing.assert_close(dense(x), y, atol=1e-5, rtol=1e-5)
 
 
+def test_sparsify_warns_about_convolutions_it_leaves_dense():
+    class Conv2dSubclass(nn.Conv2d):
+        pass
+
+    net = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Unflatten(1, (1, 4)), nn.Conv2d(1, 4, 3, padding=1),
+                        Conv2dSubclass(4, 4, 1), nn.ConvTranspose2d(4, 2, 2), nn.Unflatten(1, (1, 2)),
+                        nn.Conv3d(1, 2, 1))  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        model = snack.sparsify(net, 0.5)
+    [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
+    assert message.startswith("sparsify left 4 convolution(s) dense: 0 (Conv1d), 3 (Conv2dSubclass), "
+                              "4 (ConvTranspose2d), 6 (Conv3d). snack has 2-D convolutions only")  # fmt: skip
+    assert isinstance(model[2], snack.SparseConv2d) and type(model[0]) is nn.Conv1d
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snack.sparsify(nn.Sequential(nn.Conv1d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # excluded: quiet
+
+
 def test_erk_is_kernel_aware():
     shapes = {"conv": (64, 3, 7, 7), "linear": (10, 512)}
     densities = snack.distributions.erk_densities(shapes, 0.2)

@@ -111,6 +111,7 @@ class _LeftDense(NamedTuple):
 
     subclassed: list[str]  # subclasses of nn.Linear
     grouped: list[str]  # nn.Conv2d with groups > 1
+    other_convolutions: list[str]  # 1-D, 3-D, transposed convolutions (and subclasses of nn.Conv2d)
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -120,7 +121,7 @@ def _choose_layers(
 ) -> tuple[dict, _LeftDense]:
     """The layers to convert, ``{first name: (module, all its names, weight (out, in), bias)}``,
     and the selected linear layers left dense."""
-    targets, left_dense = {}, _LeftDense([], [], [], [])
+    targets, left_dense = {}, _LeftDense([], [], [], [], [])
     owners = _parameter_owners(modules)
     for child, names in modules.values():
         if not _selected(names, include, exclude):
@@ -139,11 +140,20 @@ def _choose_layers(
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
         elif type(child) is nn.Conv2d:
             left_dense.grouped.append(f"{shown} (groups={child.groups})")
+        elif isinstance(child, nn.modules.conv._ConvNd):
+            left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
     return targets, left_dense
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
-    subclassed, grouped, hooked, tied = left_dense
+    subclassed, grouped, other_convolutions, hooked, tied = left_dense
+    if other_convolutions:
+        warnings.warn(
+            f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
+            "has 2-D convolutions only (nn.Conv2d itself, groups=1), not 1-D, 3-D or transposed ones; exclude them "
+            "to silence this warning.",
+            stacklevel=3,
+        )
     if grouped:
         warnings.warn(
             f"sparsify left {len(grouped)} grouped convolution(s) dense: {', '.join(grouped)}. SparseConv2d has "
@@ -205,7 +215,8 @@ def sparsify(
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
-    Grouped convolutions (``groups > 1``, depthwise ones) stay dense, with a warning.
+    Grouped convolutions (``groups > 1``, depthwise ones) stay dense, with a warning, and so do
+    1-D, 3-D and transposed convolutions (and subclasses of ``nn.Conv2d``).
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
