@@ -4,6 +4,7 @@ and the truly-sparse guarantee."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import warnings
@@ -136,7 +137,8 @@ def test_samples_folded_in_groups_or_one_by_one(geometry, batch, side):
 
 
 @pytest.mark.parametrize("frozen", ["values", "bias", "input"])
-def test_gradients_of_whatever_requires_them(frozen):
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_of_whatever_requires_them(frozen, path):
     layer = snack.SparseConv2d(3, 4, 3, padding=1, sparsity=0.5, dtype=torch.float64)
     dense = _dense_twin(layer)
     if frozen != "input":
@@ -144,7 +146,7 @@ def test_gradients_of_whatever_requires_them(frozen):
     x = torch.randn(2, 3, 6, 7, dtype=torch.float64, requires_grad=frozen != "input")
     x_dense = x.detach().clone().requires_grad_(frozen != "input")
     dy = torch.randn(2, 4, 6, 7, dtype=torch.float64)
-    layer(x).backward(dy)
+    _run(layer, x, path).backward(dy)
     dense(x_dense).backward(dy)
     if frozen != "values":
         flat = dense.weight.grad.reshape(4, -1)[layer.row.long(), layer.col.long()]
@@ -193,12 +195,14 @@ def test_empty_batch():
 
 @pytest.mark.parametrize("geometry", [dict(kernel_size=3, padding=1), dict(kernel_size=2, stride=2, dilation=1),
                                       dict(kernel_size=3, dilation=2, padding_mode="reflect", padding=2)], ids=str)
-def test_gradcheck_and_gradgradcheck_on_the_native_kernels(geometry):
+@pytest.mark.parametrize("path", PATHS)
+def test_gradcheck_and_gradgradcheck(geometry, path):
     layer = snack.SparseConv2d(2, 3, sparsity=0.5, dtype=torch.float64, **geometry)
     x = torch.randn(2, 2, 6, 5, dtype=torch.float64, requires_grad=True)
 
     def conv(x, values, bias):
-        return torch.func.functional_call(layer, {"values": values, "bias": bias}, (x,))
+        with snack.use_backend(path) if path == "reference" else contextlib.nullcontext():
+            return torch.func.functional_call(layer, {"values": values, "bias": bias}, (x,))
 
     inputs = (x, layer.values.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_())
     assert torch.autograd.gradcheck(conv, inputs)
@@ -287,13 +291,38 @@ def test_bad_arguments_raise_clear_errors():
         layer.weight
 
 
-def test_backward_after_values_changed_in_place_raises():
+@pytest.mark.parametrize("path", [*PATHS, "autocast"])
+def test_backward_after_values_changed_in_place_raises(path):
     layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5)
-    y = layer(torch.randn(1, 2, 5, 5, requires_grad=True))
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    if path == "autocast":  # the node keeps the cast of values, and values itself for this check
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+    else:
+        y = _run(layer, x, path)
     with torch.no_grad():
         layer.values.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_training_under_autocast_matches_a_dense_convolution():
+    # im2col in bfloat16, as one node keeping the cast input; gradients reach the float32 parameters
+    layer = snack.SparseConv2d(3, 4, 3, stride=2, padding=1, sparsity=0.5)
+    dense = _dense_twin(layer)
+    x = torch.randn(2, 3, 9, 8, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_dense = layer(x), dense(x_dense)
+    assert y.dtype == y_dense.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    y_dense.float().square().sum().backward()
+    torch.testing.assert_close(y, y_dense, atol=0.05, rtol=0.02)
+    assert x.grad.dtype == layer.values.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, x_dense.grad, atol=0.1, rtol=0.05)
+    flat = dense.weight.grad.reshape(4, -1)[layer.row.long(), layer.col.long()]
+    torch.testing.assert_close(layer.values.grad, flat, atol=0.2, rtol=0.05)
+    torch.testing.assert_close(layer.bias.grad, dense.bias.grad, atol=0.2, rtol=0.05)
 
 
 def test_state_dict_pickle_and_deepcopy_round_trip():
@@ -435,16 +464,16 @@ def test_no_out_by_in_tensor_in_a_training_step():
     assert mode.largest < out_by_in // 4, f"{mode.largest_op} produced {mode.largest} elements"
 
 
-@pytest.mark.parametrize("sparsity", [0.9, 0.0], ids=["sparse", "full"])
+@pytest.mark.parametrize("path", [*PATHS, "full"])
 @pytest.mark.parametrize("padding", [1, "same", (2, 0)], ids=str)
-def test_the_backward_keeps_the_input_not_a_padded_copy(sparsity, padding):
+def test_the_backward_keeps_the_input_not_a_padded_copy_or_its_rows(path, padding):
     # a padded copy saved by every convolution made a sparse ResNet-18 keep 1.6x the activations
-    # of the dense one for its backward
-    layer = snack.SparseConv2d(4, 6, 3, padding=padding, sparsity=sparsity)
+    # of the dense one for its backward; the im2col rows (9x the input here) were kept on a GPU
+    layer = snack.SparseConv2d(4, 6, 3, padding=padding, sparsity=0.0 if path == "full" else 0.8)
     x = torch.randn(2, 4, 7, 5)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        layer(x).sum().backward()
+        _run(layer, x, path).sum().backward()
     activations = [t for t in saved if t.numel() >= x.numel()]
     assert activations, "the backward must keep the input for the values gradient"
     assert all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in activations)

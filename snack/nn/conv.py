@@ -15,8 +15,9 @@ from snack.backends import full
 from snack.backends.cpu import conv as direct
 from snack.func import transforms_active
 from snack.nn import tracing
+from snack.nn.conv_rows import rows_conv2d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear, _copied_bias, _reject_meta
-from snack.ops import _sparse_linear
+from snack.ops import _sparse_linear, autocast_inputs
 from snack.topology import check_shape_pair, coo_from_dense
 
 __all__ = ["SparseConv2d"]
@@ -46,7 +47,8 @@ class SparseConv2d(SparseLinear):
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing, ``torch.func``
       transforms, a forced backend): im2col, the input's windows unfolded into
       ``(N · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The rows hold
-      ``kh · kw`` copies of the input;
+      ``kh · kw`` copies of the input, for the call: a training step keeps the input for its
+      backward, which unfolds it again (:mod:`snack.nn.conv_rows`);
     * a layer holding every connection (ERK leaves small first layers dense): ``F.conv2d`` on
       ``values`` viewed as the dense weight, unless a backend is forced.
 
@@ -224,23 +226,16 @@ class SparseConv2d(SparseLinear):
             )
 
     def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The convolution of unpadded ``x`` by the native kernels or, for a full topology,
-        ``F.conv2d``; ``None`` where neither applies (the im2col path runs)."""
+        """The convolution of unpadded ``x`` in eager code: by the native kernels, ``F.conv2d`` for
+        a full topology, or else in a step that records gradients by im2col as one node that keeps
+        ``x``, not its rows (:mod:`snack.nn.conv_rows`); ``None`` elsewhere (the composite im2col
+        path runs)."""
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
-            return None
-        if torch._C._is_any_autocast_enabled():
             return None
         values, bias, topology = self._consistent_state()
         if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
             return None  # the im2col path's checks name the problem
-        if x.dtype != values.dtype or x.device != values.device:
-            return None
-        if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
-            weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
-            if self.padding_mode == "zeros":  # F.conv2d pads inside, as nn.Conv2d: no padded copy kept for the backward
-                return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
-            return F.conv2d(self._padded(x), weight, bias, self.stride, 0, self.dilation)
-        if not direct.applies(x, values):
+        if x.device != values.device:
             return None
         # zero padding is the kernels' own (their input gradient then comes without it); other
         # modes pad first
@@ -248,13 +243,39 @@ class SparseConv2d(SparseLinear):
         geometry = direct.ConvGeometry(
             self.kernel_size, self.stride, self.dilation, self._padding_amounts() if zeros else (0, 0, 0, 0)
         )
+        if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
+            if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
+                weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
+                if zeros:  # F.conv2d pads inside, as nn.Conv2d: no padded copy kept for the backward
+                    return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
+                return F.conv2d(self._padded(x), weight, bias, self.stride, 0, self.dilation)
+            if direct.applies(x, values):
 
-        def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-            padded = self._padded(x) if zeros else x
-            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, topology, bias))
+                def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+                    padded = self._padded(x) if zeros else x
+                    return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, topology, bias))
 
-        x = x if zeros else self._padded(x)
-        return direct.direct_conv2d(x.contiguous(), values, bias, topology, geometry, recompute)
+                x = x if zeros else self._padded(x)
+                return direct.direct_conv2d(x.contiguous(), values, bias, topology, geometry, recompute)
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))):
+            return None  # inference: the composite path's rows live only for the call
+        cast_x, cast_values, cast_bias = autocast_inputs(x, values, bias)
+        if cast_x.dtype != cast_values.dtype:
+            return None  # the composite path raises, naming the dtypes
+        cast_x = cast_x if zeros else self._padded(cast_x)
+        cast_from = (values,) if cast_values is not values else ()
+        rows = rows_conv2d(cast_x, cast_values, cast_bias, topology, geometry, lambda padded: self._im2col(padded)[0],
+                           cast_from)  # fmt: skip
+        height, width = self._output_size(*cast_x.shape[-2:], geometry.zero_padding)
+        return rows.view(x.shape[0], height, width, self.out_features).permute(0, 3, 1, 2)
+
+    def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
+        """``(H_out, W_out)`` of an input of ``height × width`` padded by ``padding`` (left, right,
+        top, bottom)."""
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        left, right, top, bottom = padding
+        return ((height + top + bottom - dh * (kh - 1) - 1) // sh + 1,
+                (width + left + right - dw * (kw - 1) - 1) // sw + 1)  # fmt: skip
 
     def _im2col(self, x: Tensor) -> tuple[Tensor, tuple]:
         """Padded ``x (N, C, Hp, Wp)`` → ``(rows (N · H_out · W_out, in_features), (N, H_out,
@@ -302,10 +323,8 @@ class SparseConv2d(SparseLinear):
     def _output_of_rows(self, rows: Tensor, record: Tensor) -> Tensor:
         """Output rows ``(N · H_out · W_out, out_channels)`` (:meth:`_rows_of_output`) → ``(N,
         out_channels, H_out, W_out)`` (a view), for the padded input ``record`` they came from."""
-        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
-        n, _, hp, wp = record.shape
-        height, width = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-        return rows.view(n, height, width, self.out_features).permute(0, 3, 1, 2)
+        height, width = self._output_size(*record.shape[-2:], (0, 0, 0, 0))
+        return rows.view(record.shape[0], height, width, self.out_features).permute(0, 3, 1, 2)
 
     # ------------------------------------------------------------------ conversion
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from snack import backends
 from snack.topology import Topology
 
-__all__ = ["ConvGeometry", "applies", "direct_conv2d"]
+__all__ = ["ConvGeometry", "applies", "direct_conv2d", "gradients_by_recomputing"]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
@@ -77,7 +77,7 @@ class _DirectConv2d(torch.autograd.Function):
         x, values, bias = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph: differentiate the recomputed result, whose ops have derivatives of every order
-            return (*_gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
+            return (*gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
                     None, None, None)  # fmt: skip
         topology, g = ctx.topology, ctx.geometry
         needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
@@ -89,7 +89,10 @@ class _DirectConv2d(torch.autograd.Function):
         return (*(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
 
 
-def _gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:
+def gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:
+    """The gradients of ``recompute(x, values, bias)`` (differentiable ops) for the incoming
+    ``dy``, each a graph of its own (a backward with ``create_graph=True``); ``None`` where
+    ``needed`` (three flags) says not needed."""
     inputs = [t for t, need in zip((x, values, bias), needed) if need]
     with torch.enable_grad():
         y = recompute(x, values, bias)
