@@ -23,7 +23,9 @@
 #                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed,
 #                        train_cnn.txt: the same for `--model cnn`, 1 epoch, and
 #                        dst_update.txt (and .log): what a SET / RigL topology update costs on the
-#                        GPU (benchmarks/dst_update.py; never measured on one yet)
+#                        GPU (benchmarks/dst_update.py; never measured on one yet), and
+#                        resnet_step.txt (and .log): a sparse CIFAR ResNet-18 against dense
+#                        (benchmarks/resnet_step.py --device cuda), time left permitting
 # Every step runs (under its own time limit) even if an earlier one fails; the exit status is
 # non-zero if any failed, and the last line names them.
 set -euo pipefail
@@ -104,6 +106,17 @@ fi
 # The selections of a DST update (torch.topk, searchsorted, nonzero) have not run on a GPU yet.
 step dst-update 45 "$LAYER_DIR/dst_update.log" \
     "$PY" benchmarks/dst_update.py --device cuda --out "$LAYER_DIR/dst_update.txt"
+
+# A sparse CIFAR ResNet-18 (im2col through the Triton kernels) against cuDNN's dense one, never
+# measured on a GPU: what is left of five and a half minutes, if at least 40 s. Its lines print as
+# they come, so a run cut short still leaves the whole-model rows in the log.
+LEFT=$((330 - (SECONDS - START)))
+if [ "$LEFT" -ge 40 ]; then
+    step resnet-step "$LEFT" "$LAYER_DIR/resnet_step.log" \
+        "$PY" benchmarks/resnet_step.py --device cuda --out "$LAYER_DIR/resnet_step.txt"
+else
+    log "resnet-step skipped: ${LEFT}s of the five and a half minutes left" | tee "$LAYER_DIR/resnet_step.log"
+fi
 
 tar czf "$OUTDIR/layer_bench.tar.gz" -C "$LAYER_DIR" . && rm -rf "$LAYER_DIR"
 

@@ -1,7 +1,9 @@
-"""A CIFAR ResNet-18 sparsified by ``snack.sparsify``, against the dense model, on the CPU.
+"""A CIFAR ResNet-18 sparsified by ``snack.sparsify``, against the dense model.
 
 Usage: ``.venv/bin/python benchmarks/resnet_step.py`` (about two minutes); writes
-``benchmarks/resnet_step.txt``, which the README quotes.
+``benchmarks/resnet_step.txt``, which the README quotes. ``--device cuda --out FILE`` measures on a
+GPU (``benchmarks/gpu_check.sh`` does), where ``SparseConv2d`` runs im2col through the Triton
+kernels.
 
 The model DST papers train on CIFAR-10 (a 3×3 stem, four stages of two basic blocks, 64-128-256-512
 channels, 1×1 stride-2 shortcuts), on 32×32 inputs at batch 32, float32. Every convolution and
@@ -24,6 +26,7 @@ RigL run would start. Two tables, each variant's times interleaved sample by sam
 from __future__ import annotations
 
 import copy
+import argparse
 from pathlib import Path
 
 import torch
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import snack
-from snack.bench.report import ResultLines, out_argument
+from snack.bench.report import ResultLines
 from snack.bench.timing import interleaved_medians
 
 BATCH = 32
@@ -69,12 +72,12 @@ def resnet18(classes: int = 10) -> nn.Sequential:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
 
 
-def models() -> dict[str, nn.Module]:
+def models(device: torch.device) -> dict[str, nn.Module]:
     """The dense model and one sparsified per sparsity, by name ("dense", "snack 0.9", ...)."""
     built = {"dense": resnet18()}
     for sparsity in SPARSITIES:
         built[f"snack {sparsity}"] = snack.sparsify(resnet18(), sparsity, distribution="erk", init="random")
-    return built
+    return {name: model.to(device) for name, model in built.items()}
 
 
 def model_variants(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
@@ -126,7 +129,7 @@ def rigl_variants(x: torch.Tensor, y: torch.Tensor) -> tuple[dict, snack.dst.Rig
     """A plain training step of the 90% model and one of a copy under RigL updating at every step
     (each step records ``X`` and ``dY``, then ``dst.step()`` rewires; ``update=False`` skips that),
     and that RigL object."""
-    plain = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random")
+    plain = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random").to(x.device)
     rewired = copy.deepcopy(plain)
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     rewired_optimizer = torch.optim.SGD(rewired.parameters(), lr=0.01, momentum=0.9)
@@ -183,8 +186,8 @@ def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, 
 def layer_variants(layer: snack.SparseConv2d, shape: torch.Size) -> dict:
     """A training step of ``layer`` and of a dense ``nn.Conv2d`` of its geometry."""
     dense = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
-                      bias=layer.bias is not None)  # fmt: skip
-    x = torch.randn(shape, requires_grad=True)
+                      bias=layer.bias is not None, device=layer.values.device)  # fmt: skip
+    x = torch.randn(shape, device=layer.values.device, requires_grad=True)
 
     def step(module):
         def run():
@@ -198,19 +201,23 @@ def layer_variants(layer: snack.SparseConv2d, shape: torch.Size) -> dict:
 
 
 def main() -> None:
-    out = out_argument(__doc__, OUT)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="cpu (default) or cuda")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"the results file (default {OUT})")
+    args = parser.parse_args()
+    device = args.device
     torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    emit = ResultLines(cpu)
-    x, y = torch.randn(BATCH, 3, 32, 32), torch.randint(0, 10, (BATCH,))
-    emit(f"CIFAR ResNet-18, 32×32 inputs, batch {BATCH}, float32, {torch.get_num_threads()} threads; ERK densities, "
-         f"random topology; medians of {SAMPLES} interleaved samples; dense/snack > 1: snack is faster")  # fmt: skip
+    emit = ResultLines(device)
+    x, y = torch.randn(BATCH, 3, 32, 32, device=device), torch.randint(0, 10, (BATCH,), device=device)
+    threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else device.type
+    emit(f"CIFAR ResNet-18, 32×32 inputs, batch {BATCH}, float32, {threads}; ERK densities, random topology; "
+         f"medians of {SAMPLES} interleaved samples; dense/snack > 1: snack is faster")  # fmt: skip
     emit("")
     emit("| task | dense ms | " + " | ".join(f"snack {s} ms | dense/snack" for s in SPARSITIES) + " |")
     emit("|---|---|" + "---|---|" * len(SPARSITIES))
-    built = models()
+    built = models(device)
     for task, fns in model_variants(built, x, y).items():
-        ms = {name: s * 1e3 for name, s in interleaved_medians(fns, cpu, SAMPLES).items()}
+        ms = {name: s * 1e3 for name, s in interleaved_medians(fns, device, SAMPLES).items()}
         cells = [f"{ms[f'snack {s}']:.1f} | {ms['dense'] / ms[f'snack {s}']:.2f}" for s in SPARSITIES]
         emit(f"| {task} | {ms['dense']:.1f} | " + " | ".join(cells) + " |")
     emit("")
@@ -224,7 +231,7 @@ def main() -> None:
         emit(f"| {name} | {state:.1f} | {kept:.1f} |")
     emit("")
     steps, dst = rigl_variants(x, y)
-    ms = {name: s * 1e3 for name, s in interleaved_medians(steps, cpu, SAMPLES).items()}
+    ms = {name: s * 1e3 for name, s in interleaved_medians(steps, device, SAMPLES).items()}
     emit(f"RigL on the {SPARSITIES[0]} model (update_every=1): a training step {ms['plain']:.1f} ms, with the "
          f"recording and the update {ms['RigL update']:.1f} ms (+{ms['RigL update'] - ms['plain']:.1f} ms).")  # fmt: skip
     steps["RigL update"](update=False)  # the records stay until dst.step(): measure them
@@ -236,15 +243,15 @@ def main() -> None:
     emit("")
     emit("| layer | input | out | kernel, stride | density | dense ms | snack ms | dense/snack |")
     emit("|---|---|---|---|---|---|---|---|")
-    model = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random")
+    model = snack.sparsify(resnet18(), SPARSITIES[0], distribution="erk", init="random").to(device)
     for name, layer, shape in distinct_convolutions(model, x):
-        ms = {key: s * 1e3 for key, s in interleaved_medians(layer_variants(layer, shape), cpu, SAMPLES).items()}
+        ms = {key: s * 1e3 for key, s in interleaved_medians(layer_variants(layer, shape), device, SAMPLES).items()}
         emit(
             f"| {name} | {'×'.join(map(str, shape))} | {layer.out_channels} | {layer.kernel_size[0]}×"
             f"{layer.kernel_size[1]}, {layer.stride[0]} | {1 - layer.sparsity:.3f} | {ms['dense']:.2f} | "
             f"{ms['snack']:.2f} | {ms['dense'] / ms['snack']:.2f} |"
         )
-    emit.save(out)
+    emit.save(args.out)
 
 
 if __name__ == "__main__":
