@@ -418,7 +418,24 @@ def test_rigl_records_calls_on_two_image_sizes_as_rows():
     x_rows, dy_rows = capture.batch(0)
     capture.disarm()
     assert x_rows.shape == (2 * 25 + 2 * 49, layer.in_features)
+    assert layer._rows_of_record(x_rows) is x_rows  # what recorded_batch and a gather on several ranks call
     torch.testing.assert_close(dy_rows.T @ x_rows, dense.weight.grad.reshape(3, -1))
+    grown = gradient_grow(x_rows, dy_rows, layer.topology, 3)  # rows: scored as a linear layer's
+    inactive = dense.weight.grad.reshape(3, -1).abs().flatten()
+    inactive[linear_index(layer.topology)] = -1
+    assert torch.equal(grown, inactive.topk(3).indices.sort().values)
+
+
+def test_rigl_updates_a_convolution_run_on_two_image_sizes_in_one_step():
+    layer = snack.SparseConv2d(2, 3, 3, padding=1, sparsity=0.5)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    dst = snack.dst.RigL(layer, optimizer, drop_fraction=0.5, update_every=1, total_steps=10, schedule="constant")
+    row, col = layer.row.clone(), layer.col.clone()
+    loss = layer(torch.randn(2, 2, 5, 5)).square().sum() + layer(torch.randn(2, 2, 7, 7)).square().sum()
+    loss.backward()
+    optimizer.step()
+    assert dst.step()
+    assert layer.nnz == row.numel() and not (torch.equal(row, layer.row) and torch.equal(col, layer.col))
 
 
 def test_gradient_grow_refuses_a_padded_input_without_its_convolution():

@@ -325,8 +325,9 @@ class SparseConv2d(SparseLinear):
         return self._padded(x).contiguous()  # F.pad made a new tensor
 
     def _rows_of_record(self, record: Tensor) -> Tensor:
-        """The im2col rows ``(N · H_out · W_out, in_features)`` of a padded input ``record``."""
-        return self._im2col(record)[0]
+        """The im2col rows ``(N · H_out · W_out, in_features)`` of a padded input ``record``; rows
+        as they are (records of calls on inputs of several sizes, joined as rows)."""
+        return record if record.dim() == 2 else self._im2col(record)[0]
 
     def _rows_of_output(self, y: Tensor) -> Tensor:
         """An output (or its gradient) ``(N, out_channels, H_out, W_out)`` → ``(N · H_out · W_out,
