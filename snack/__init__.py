@@ -8,12 +8,13 @@ has its whole gradient formed at once).
 
 from snack import dst, ops
 from snack.backends import available_backends, use_backend
-from snack.nn import SparseConv2d, SparseLinear, densify, sparsify
+from snack.nn import SparseConv1d, SparseConv2d, SparseLinear, densify, sparsify
 from snack.topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SparseConv1d",
     "SparseConv2d",
     "SparseLinear",
     "Topology",

@@ -14,8 +14,9 @@
       ⇒ ε = ((1 - s) · Σ_l n_l) / Σ_l (out_l + in_l)
 
   A convolution's weight ``(out, in, kh, kw)`` gets the kernel-aware rule of Evci et al.,
-  ``d_l = ε · (out + in + kh + kw) / (out · in · kh · kw)``: every rule here is the sum of the
-  weight's dimensions over their product, and the budget below holds for any of them.
+  ``d_l = ε · (out + in + kh + kw) / (out · in · kh · kw)`` (a 1-D one's ``(out, in, k)``:
+  ``(out + in + k) / (out · in · k)``): every rule here is the sum of the weight's dimensions over
+  their product, and the budget below holds for any of them.
 
   A density above 1 is impossible, so such layers are made fully dense (density 1), their
   connections are taken out of the budget, and ε is solved again over the remaining layers;
@@ -36,8 +37,8 @@ __all__ = ["DISTRIBUTIONS", "erk_densities", "layer_sparsities"]
 
 
 def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[str, float]:
-    """ERK density per layer (name → ``(out, in)``, or a convolution's ``(out, in, kh, kw)``) so
-    the layers together keep ``density``.
+    """ERK density per layer (name → ``(out, in)``, or a convolution's ``(out, in, kh, kw)`` or
+    ``(out, in, k)``) so the layers together keep ``density``.
 
     Returns name → density in ``(0, 1]``; ``Σ d_l · n_l = density · Σ n_l`` (up to float error).
     Raises ``ValueError`` for a density outside ``(0, 1]`` or a layer with a side of 0.
@@ -48,11 +49,11 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[st
         raise ValueError(f"density must be in (0, 1], got {density!r}")
     for name, shape in shapes.items():
         try:
-            if len(shape) not in (2, 4):
-                raise ValueError(f"a shape must be (out, in) or (out, in, kh, kw), got {tuple(shape)}")
+            if len(shape) not in (2, 3, 4):
+                raise ValueError(f"a shape must be (out, in), (out, in, k) or (out, in, kh, kw), got {tuple(shape)}")
             check_shape(shape[0], shape[1])
-            if len(shape) == 4:
-                check_shape(shape[2], shape[3])
+            if len(shape) > 2:
+                check_shape(shape[-1], shape[2])
         except (TypeError, ValueError) as error:
             raise type(error)(f"layer {name!r}: {error}") from None
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
@@ -75,8 +76,8 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[st
 
 
 def layer_sparsities(shapes: dict[str, tuple[int, ...]], sparsity: float, distribution: str) -> dict[str, float]:
-    """Per-layer sparsity for layers of ``shapes`` (name → ``(out, in)`` or ``(out, in, kh, kw)``)
-    at overall ``sparsity``.
+    """Per-layer sparsity for layers of ``shapes`` (name → ``(out, in)``, ``(out, in, k)`` or
+    ``(out, in, kh, kw)``) at overall ``sparsity``.
 
     See the module docstring for the distributions. The result is name → sparsity in ``[0, 1)``;
     a layer ERK makes fully dense gets ``0.0``.

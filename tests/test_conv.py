@@ -365,12 +365,12 @@ def test_sparsify_warns_about_convolutions_it_leaves_dense():
     with pytest.warns(UserWarning) as caught:
         model = snack.sparsify(net, 0.5)
     [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
-    assert message.startswith("sparsify left 4 convolution(s) dense: 0 (Conv1d), 3 (Conv2dSubclass), "
-                              "4 (ConvTranspose2d), 6 (Conv3d). snack has 2-D convolutions only")  # fmt: skip
-    assert isinstance(model[2], snack.SparseConv2d) and type(model[0]) is nn.Conv1d
+    assert message.startswith("sparsify left 3 convolution(s) dense: 3 (Conv2dSubclass), 4 (ConvTranspose2d), "
+                              "6 (Conv3d). snack has 1-D and 2-D convolutions only")  # fmt: skip
+    assert isinstance(model[2], snack.SparseConv2d) and isinstance(model[0], snack.SparseConv1d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        snack.sparsify(nn.Sequential(nn.Conv1d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # excluded: quiet
+        snack.sparsify(nn.Sequential(nn.Conv3d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # excluded: quiet
 
 
 def test_erk_is_kernel_aware():

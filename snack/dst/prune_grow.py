@@ -222,7 +222,7 @@ class _ConvolutionScores(_GradientScores):
         self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)
         self.topology = topology
         self.native = False
-        self.geometry = convolution.kernel_size, convolution.stride, convolution.dilation
+        self.geometry = convolution._kernel2d, convolution._stride2d, convolution._dilation2d
 
     def _keys(self, rows: slice) -> Tensor:
         (kh, kw), stride, dilation = self.geometry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import warnings
 
@@ -78,11 +79,23 @@ class SparseConv2d(SparseLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        _check_channels(in_channels, out_channels)
-        geometry = _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
-        in_features = int(in_channels) * geometry["kernel_size"][0] * geometry["kernel_size"][1]
-        super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
+        _check_channels(in_channels, out_channels, type(self).__name__)
+        geometry = self._checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
+        in_features = int(in_channels) * math.prod(geometry["kernel_size"])
+        SparseLinear.__init__(self, in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
         self._set_geometry(int(in_channels), geometry)
+
+    # the dense layer it replaces and its spatial dimensions (SparseConv1d: nn.Conv1d, 1)
+    _dense_class: type[nn.Module] = nn.Conv2d
+    _dims = 2
+
+    @classmethod
+    def _weight_shape(cls) -> str:
+        return "(out_channels, in_channels, kh, kw)" if cls._dims == 2 else "(out_channels, in_channels, kernel_size)"
+
+    @classmethod
+    def _checked_geometry(cls, kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
+        return _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, cls._dims, cls.__name__)
 
     def _set_geometry(self, in_channels: int, geometry: dict) -> None:
         self.in_channels = in_channels
@@ -92,6 +105,25 @@ class SparseConv2d(SparseLinear):
     @property
     def out_channels(self) -> int:
         return self.out_features
+
+    # The 2-D geometry the computation uses (a 1-D convolution is a 2-D one of height 1):
+    # kernel_size, stride, dilation pairs and padding (a pair, "valid" or "same").
+
+    @property
+    def _kernel2d(self) -> tuple[int, int]:
+        return self.kernel_size
+
+    @property
+    def _stride2d(self) -> tuple[int, int]:
+        return self.stride
+
+    @property
+    def _dilation2d(self) -> tuple[int, int]:
+        return self.dilation
+
+    @property
+    def _padding2d(self) -> tuple[int, int] | str:
+        return self.padding
 
     # ------------------------------------------------------------------ constructors
 
@@ -111,35 +143,34 @@ class SparseConv2d(SparseLinear):
         ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
         used) or of an ``(out_channels, in_channels, kh, kw)`` weight tensor (with ``bias``,
         ``stride``, ``padding``, ``dilation``, ``padding_mode`` given here). Parameters are copies."""
-        if isinstance(conv_or_weight, nn.Conv2d):
+        dense_name = f"nn.{cls._dense_class.__name__}"
+        if isinstance(conv_or_weight, cls._dense_class):
             conv = conv_or_weight
             given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
             defaults = dict(bias=None, stride=1, padding=0, dilation=1, padding_mode="zeros")
             if given != defaults:
                 raise ValueError(
                     "from_dense: bias, stride, padding, dilation and padding_mode must not be given with an "
-                    "nn.Conv2d; its own are used"
+                    f"{dense_name}; its own are used"
                 )
             if conv._forward_pre_hooks:
                 raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
             if conv.groups != 1:
-                raise ValueError(f"conv_or_weight: groups must be 1, got an nn.Conv2d with groups={conv.groups}")
+                raise ValueError(f"conv_or_weight: groups must be 1, got an {dense_name} with groups={conv.groups}")
             weight, bias = conv.weight, conv.bias
             stride, padding, dilation, padding_mode = conv.stride, conv.padding, conv.dilation, conv.padding_mode
         elif isinstance(conv_or_weight, Tensor):
             weight = conv_or_weight
-            if weight.dim() != 4:
-                raise ValueError(
-                    f"conv_or_weight: a weight must be (out_channels, in_channels, kh, kw), got {tuple(weight.shape)}"
-                )
+            if weight.dim() != 2 + cls._dims:
+                raise ValueError(f"conv_or_weight: a weight must be {cls._weight_shape()}, got {tuple(weight.shape)}")
         else:
-            raise TypeError(f"conv_or_weight must be an nn.Conv2d or a Tensor, got {type(conv_or_weight).__name__}")
+            raise TypeError(f"conv_or_weight must be an {dense_name} or a Tensor, got {type(conv_or_weight).__name__}")
         _reject_meta(weight.device)
-        out_channels, in_channels, kh, kw = weight.shape
-        geometry = _checked_geometry((kh, kw), stride, padding, dilation, 1, padding_mode)
-        _check_channels(in_channels, out_channels)
+        out_channels, in_channels, *kernel = weight.shape
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, 1, padding_mode)
+        _check_channels(in_channels, out_channels, cls.__name__)
         row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
-        layer = cls._from_parts(in_channels * kh * kw, out_channels, row, col, values,
+        layer = cls._from_parts(in_channels * math.prod(kernel), out_channels, row, col, values,
                                 _copied_bias(bias, out_channels, weight.dtype))  # fmt: skip
         layer._set_geometry(in_channels, geometry)
         return layer
@@ -161,13 +192,13 @@ class SparseConv2d(SparseLinear):
         """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
         ``col`` the position in ``in_channels · kh · kw`` (``c · kh · kw + i · kw + j``), in any
         order, without duplicates; ``shape`` is ``(out_channels, in_channels, kh, kw)``."""
-        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 4):
-            raise ValueError(f"shape must be (out_channels, in_channels, kh, kw), got {shape!r}")
-        out_channels, in_channels, kh, kw = shape
-        _check_channels(in_channels, out_channels)
-        geometry = _checked_geometry((kh, kw), stride, padding, dilation, 1, padding_mode)
-        kh, kw = geometry["kernel_size"]
-        linear = SparseLinear.from_coo(row, col, values, (out_channels, in_channels * kh * kw), bias=bias)
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
+            raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
+        out_channels, in_channels, *kernel = shape
+        _check_channels(in_channels, out_channels, cls.__name__)
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, 1, padding_mode)
+        kernel_size = math.prod(geometry["kernel_size"])
+        linear = SparseLinear.from_coo(row, col, values, (out_channels, in_channels * kernel_size), bias=bias)
         layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
                                 linear.values.data, None if linear.bias is None else linear.bias.data)  # fmt: skip
         layer._set_geometry(int(in_channels), geometry)
@@ -202,10 +233,10 @@ class SparseConv2d(SparseLinear):
         if self.padding == "valid":
             return (0, 0, 0, 0)
         if self.padding == "same":  # as nn.Conv2d: an odd total puts the extra row/column last
-            (kh, kw), (dh, dw) = self.kernel_size, self.dilation
+            (kh, kw), (dh, dw) = self._kernel2d, self._dilation2d
             th, tw = dh * (kh - 1), dw * (kw - 1)
             return (tw // 2, tw - tw // 2, th // 2, th - th // 2)
-        ph, pw = self.padding
+        ph, pw = self._padding2d
         return (pw, pw, ph, ph)
 
     def _check_input(self, input: Tensor, x: Tensor) -> None:
@@ -216,7 +247,7 @@ class SparseConv2d(SparseLinear):
                 f"SparseConv2d(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, H, W) "
                 f"or ({self.in_channels}, H, W), got {tuple(input.shape)}"
             )
-        (kh, kw), (dh, dw) = self.kernel_size, self.dilation
+        (kh, kw), (dh, dw) = self._kernel2d, self._dilation2d
         left, right, top, bottom = self._padding_amounts()
         height, width = x.shape[-2] + top + bottom, x.shape[-1] + left + right
         if height < dh * (kh - 1) + 1 or width < dw * (kw - 1) + 1:
@@ -240,7 +271,7 @@ class SparseConv2d(SparseLinear):
         # zero padding is the kernels' (and the rows node's) own: their input gradient then comes
         # without it; other modes pad first
         zero_padding = self._padding_amounts() if self.padding_mode == "zeros" else (0, 0, 0, 0)
-        geometry = direct.ConvGeometry(self.kernel_size, self.stride, self.dilation, zero_padding)
+        geometry = direct.ConvGeometry(self._kernel2d, self._stride2d, self._dilation2d, zero_padding)
         if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
             y = self._full_or_direct(x, values, bias, topology, geometry)
             if y is not None:
@@ -253,10 +284,10 @@ class SparseConv2d(SparseLinear):
         """``F.conv2d`` for a full topology, else the native kernels where they apply."""
         zeros = self.padding_mode == "zeros"
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
-            weight = values.view(self.out_channels, self.in_channels, *self.kernel_size)
+            weight = values.view(self.out_channels, self.in_channels, *self._kernel2d)
             if zeros:  # F.conv2d pads inside, as nn.Conv2d: no padded copy kept for the backward
-                return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation)
-            return F.conv2d(self._padded(x), weight, bias, self.stride, 0, self.dilation)
+                return F.conv2d(x, weight, bias, self._stride2d, self._padding2d, self._dilation2d)
+            return F.conv2d(self._padded(x), weight, bias, self._stride2d, 0, self._dilation2d)
         if not direct.applies(x, values):
             return None
 
@@ -284,7 +315,7 @@ class SparseConv2d(SparseLinear):
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
         """``(H_out, W_out)`` of an input of ``height × width`` padded by ``padding`` (left, right,
         top, bottom)."""
-        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        (kh, kw), (sh, sw), (dh, dw) = self._kernel2d, self._stride2d, self._dilation2d
         left, right, top, bottom = padding
         return ((height + top + bottom - dh * (kh - 1) - 1) // sh + 1,
                 (width + left + right - dw * (kw - 1) - 1) // sw + 1)  # fmt: skip
@@ -293,7 +324,7 @@ class SparseConv2d(SparseLinear):
         """Padded ``x (N, C, Hp, Wp)`` → ``(rows (N · H_out · W_out, in_features), (N, H_out,
         W_out))``: each output position's window, in the flattened kernel's order (a copy).
         Written for FX proxies too (no branch on sizes)."""
-        (kh, kw), (sh, sw), (dh, dw) = self.kernel_size, self.stride, self.dilation
+        (kh, kw), (sh, sw), (dh, dw) = self._kernel2d, self._stride2d, self._dilation2d
         windows = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)  # (N, C, Ho, Wo, ·, ·)
         if (dh, dw) != (1, 1):
             windows = windows[..., ::dh, ::dw]
@@ -353,16 +384,16 @@ class SparseConv2d(SparseLinear):
             if name != "weight":
                 raise
         raise AttributeError(
-            "SparseConv2d has no dense weight: it holds `values` at (`row`, `col`) of the flattened kernel; "
-            "`to_dense()` builds the (out_channels, in_channels, kh, kw) weight, snack.densify(model) turns the "
-            "layers back into nn.Conv2d"
+            f"{type(self).__name__} has no dense weight: it holds `values` at (`row`, `col`) of the flattened kernel; "
+            f"`to_dense()` builds the {self._weight_shape()} weight, snack.densify(model) turns the layers back into "
+            f"nn.{self._dense_class.__name__}"
         )
 
     def extra_repr(self) -> str:
         parts = [f"{self.in_channels}, {self.out_channels}", f"kernel_size={self.kernel_size}", f"stride={self.stride}"]
-        if self.padding != (0, 0):
+        if self.padding != (0,) * self._dims:
             parts.append(f"padding={self.padding!r}")
-        if self.dilation != (1, 1):
+        if self.dilation != (1,) * self._dims:
             parts.append(f"dilation={self.dilation}")
         if self.padding_mode != "zeros":
             parts.append(f"padding_mode={self.padding_mode!r}")
@@ -373,25 +404,26 @@ class SparseConv2d(SparseLinear):
 SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
 
 
-def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
-    """``nn.Conv2d``'s geometry arguments, checked, as the layer's attributes."""
+def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, dims: int, layer: str) -> dict:
+    """``nn.Conv2d``'s (``dims=2``) or ``nn.Conv1d``'s (1) geometry arguments, checked, as the
+    layer's attributes (tuples of ``dims`` ints; ``padding`` may be ``"valid"`` or ``"same"``)."""
     if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups != 1:
         raise ValueError(
-            f"SparseConv2d: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
+            f"{layer}: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
             "block-diagonal, which random topologies and growth would not keep"
         )
     if padding_mode not in PADDING_MODES:
-        raise ValueError(f"SparseConv2d: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
-    kernel_size = _pair(kernel_size, "kernel_size", minimum=1)
-    stride = _pair(stride, "stride", minimum=1)
-    dilation = _pair(dilation, "dilation", minimum=1)
+        raise ValueError(f"{layer}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+    kernel_size = _ints(kernel_size, "kernel_size", 1, dims, layer)
+    stride = _ints(stride, "stride", 1, dims, layer)
+    dilation = _ints(dilation, "dilation", 1, dims, layer)
     if isinstance(padding, str):
         if padding not in ("valid", "same"):
-            raise ValueError(f"SparseConv2d: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
-        if padding == "same" and stride != (1, 1):
-            raise ValueError(f"SparseConv2d: padding='same' needs stride 1 (as nn.Conv2d), got stride={stride}")
+            raise ValueError(f"{layer}: padding must be an int, {_tuple_of(dims)}, 'valid' or 'same', got {padding!r}")
+        if padding == "same" and stride != (1,) * dims:
+            raise ValueError(f"{layer}: padding='same' needs stride 1 (as nn.Conv{dims}d), got stride={stride}")
     else:
-        padding = _pair(padding, "padding", minimum=0)
+        padding = _ints(padding, "padding", 0, dims, layer)
     return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
 
 
@@ -409,22 +441,26 @@ def _ignoring_tracer_warnings():
         yield
 
 
-def _pair(value, name: str, *, minimum: int) -> tuple[int, int]:
-    pair = (value, value) if not isinstance(value, (tuple, list, torch.Size)) else tuple(value)
-    if len(pair) != 2 or not all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum for v in pair
+def _ints(value, name: str, minimum: int, count: int, layer: str) -> tuple[int, ...]:
+    """``value`` (an int, or ``count`` of them) as a tuple of ``count`` ints, each at least ``minimum``."""
+    values = (value,) * count if not isinstance(value, (tuple, list, torch.Size)) else tuple(value)
+    if len(values) != count or not all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= minimum for v in values
     ):
         bound = "positive" if minimum == 1 else "non-negative"
-        raise ValueError(f"SparseConv2d: {name} must be a {bound} int or a pair of them, got {value!r}")
-    return int(pair[0]), int(pair[1])
+        raise ValueError(f"{layer}: {name} must be a {bound} int or {_tuple_of(count)} of them, got {value!r}")
+    return tuple(int(v) for v in values)
 
 
-def _check_channels(in_channels, out_channels) -> None:
+def _tuple_of(count: int) -> str:
+    return "a pair" if count == 2 else f"a tuple of {count}"
+
+
+def _check_channels(in_channels, out_channels, layer: str) -> None:
     try:
         check_shape_pair((out_channels, in_channels))
     except (TypeError, ValueError):
         raise ValueError(
-            f"SparseConv2d: in_channels and out_channels must be positive ints, got {in_channels!r} and "
-            f"{out_channels!r}"
+            f"{layer}: in_channels and out_channels must be positive ints, got {in_channels!r} and {out_channels!r}"
         ) from None
 

@@ -1,5 +1,5 @@
-"""``sparsify`` and ``densify``: turn a model's ``nn.Linear`` and ``nn.Conv2d`` layers into
-:class:`SparseLinear` and :class:`SparseConv2d`, and back."""
+"""``sparsify`` and ``densify``: turn a model's ``nn.Linear``, ``nn.Conv2d`` and ``nn.Conv1d``
+layers into :class:`SparseLinear`, :class:`SparseConv2d` and :class:`SparseConv1d`, and back."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
 from snack.nn.conv import SparseConv2d
+from snack.nn.conv1d import SparseConv1d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 
 __all__ = ["densify", "sparsify"]
+
+
+# the convolutions sparsify converts (the classes themselves, groups=1), and into what
+SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[SparseConv2d]] = {nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d}
 
 
 def _conv1d_class():
@@ -26,9 +31,10 @@ def _conv1d_class():
 
 
 def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight (out, in) or (out, in, kh, kw), bias)`` of a layer ``sparsify`` converts, else
-    ``None``."""
-    if type(module) is nn.Linear or type(module) is nn.Conv2d and module.groups == 1:  # not subclasses: see sparsify
+    """``(weight (out, in), a convolution's (out, in, kh, kw) or (out, in, k), bias)`` of a layer
+    ``sparsify`` converts, else ``None``."""
+    # not subclasses: see sparsify
+    if type(module) is nn.Linear or type(module) in SPARSE_CONVOLUTIONS and module.groups == 1:
         return module.weight, module.bias
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -110,8 +116,8 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
-    grouped: list[str]  # nn.Conv2d with groups > 1
-    other_convolutions: list[str]  # 1-D, 3-D, transposed convolutions (and subclasses of nn.Conv2d)
+    grouped: list[str]  # nn.Conv2d or nn.Conv1d with groups > 1
+    other_convolutions: list[str]  # 3-D, transposed convolutions (and subclasses of nn.Conv2d, nn.Conv1d)
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -138,7 +144,7 @@ def _choose_layers(
                 targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
-        elif type(child) is nn.Conv2d:
+        elif type(child) in SPARSE_CONVOLUTIONS:
             left_dense.grouped.append(f"{shown} (groups={child.groups})")
         elif isinstance(child, nn.modules.conv._ConvNd):
             left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
@@ -150,14 +156,16 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
-            "has 2-D convolutions only (nn.Conv2d itself, groups=1), not 1-D, 3-D or transposed ones; exclude them "
+            "has 1-D and 2-D convolutions only (nn.Conv1d and nn.Conv2d themselves, groups=1), not 3-D or transposed "
+            "ones; exclude them "
             "to silence this warning.",
             stacklevel=3,
         )
     if grouped:
         warnings.warn(
-            f"sparsify left {len(grouped)} grouped convolution(s) dense: {', '.join(grouped)}. SparseConv2d has "
-            "groups=1 only (a grouped weight is block-diagonal); exclude them to silence this warning.",
+            f"sparsify left {len(grouped)} grouped convolution(s) dense: {', '.join(grouped)}. SparseConv2d and "
+            "SparseConv1d have groups=1 only (a grouped weight is block-diagonal); exclude them to silence this "
+            "warning.",
             stacklevel=3,
         )
     if subclassed:
@@ -192,7 +200,8 @@ def sparsify(
     init: str = "magnitude",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, and its ``nn.Conv2d`` layers with :class:`SparseConv2d`, in place.
+    :class:`SparseLinear`, and its ``nn.Conv2d`` and ``nn.Conv1d`` layers with :class:`SparseConv2d`
+    and :class:`SparseConv1d`, in place.
 
     Args:
         sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
@@ -216,7 +225,7 @@ def sparsify(
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
     Grouped convolutions (``groups > 1``, depthwise ones) stay dense, with a warning, and so do
-    1-D, 3-D and transposed convolutions (and subclasses of ``nn.Conv2d``).
+    3-D and transposed convolutions (and subclasses of ``nn.Conv2d`` and ``nn.Conv1d``).
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
@@ -240,11 +249,12 @@ def sparsify(
 
 def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsity: float, init: str) -> SparseLinear:
     """The sparse layer that replaces ``dense`` (whose ``weight`` is ``(out, in)`` or a
-    convolution's ``(out, in, kh, kw)``): its largest weights, or a random topology."""
-    if isinstance(dense, nn.Conv2d):
+    convolution's ``(out, in, kh, kw)`` or ``(out, in, k)``): its largest weights, or a random topology."""
+    sparse_convolution = SPARSE_CONVOLUTIONS.get(type(dense))
+    if sparse_convolution is not None:
         if init == "magnitude":
-            return SparseConv2d.from_dense(dense, sparsity=sparsity)
-        return SparseConv2d(
+            return sparse_convolution.from_dense(dense, sparsity=sparsity)
+        return sparse_convolution(
             dense.in_channels, dense.out_channels, dense.kernel_size, dense.stride, dense.padding, dense.dilation,
             bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity, device=weight.device,
             dtype=weight.dtype,
@@ -280,7 +290,7 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         warnings.warn(
-            f"sparsify converted no layer: the model holds no nn.Linear or nn.Conv2d{selected} that it may "
+            f"sparsify converted no layer: the model holds no nn.Linear, nn.Conv2d or nn.Conv1d{selected} that it may "
             f"convert{already}",
             stacklevel=3,
         )
@@ -302,8 +312,8 @@ def _warn_about_what_sparsify_missed(
 
 def densify(module: nn.Module) -> nn.Module:
     """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
-    every :class:`SparseConv2d` with an ``nn.Conv2d``), in place (training mode, frozen parameters
-    and sharing kept, as :func:`sparsify` does).
+    every :class:`SparseConv2d` and :class:`SparseConv1d` with an ``nn.Conv2d`` and ``nn.Conv1d``),
+    in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
@@ -323,9 +333,9 @@ def densify(module: nn.Module) -> nn.Module:
 
 def _dense_twin(layer: SparseLinear) -> dict:
     """``nn.utils.skip_init``'s arguments for the dense layer ``densify`` makes of ``layer``."""
-    if isinstance(layer, SparseConv2d):
+    if isinstance(layer, SparseConv2d):  # SparseConv1d too
         return dict(
-            module_cls=nn.Conv2d, in_channels=layer.in_channels, out_channels=layer.out_channels,
+            module_cls=layer._dense_class, in_channels=layer.in_channels, out_channels=layer.out_channels,
             kernel_size=layer.kernel_size, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
             bias=layer.bias is not None, padding_mode=layer.padding_mode,
         )
