@@ -82,7 +82,7 @@ class SparseConv2d(SparseLinear):
         _check_channels(in_channels, out_channels, type(self).__name__)
         geometry = self._checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
         in_features = int(in_channels) * math.prod(geometry["kernel_size"])
-        SparseLinear.__init__(self, in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
+        super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
         self._set_geometry(int(in_channels), geometry)
 
     # the dense layer it replaces and its spatial dimensions (SparseConv1d: nn.Conv1d, 1)
@@ -142,7 +142,8 @@ class SparseConv2d(SparseLinear):
         """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
         ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
         used) or of an ``(out_channels, in_channels, kh, kw)`` weight tensor (with ``bias``,
-        ``stride``, ``padding``, ``dilation``, ``padding_mode`` given here). Parameters are copies."""
+        ``stride``, ``padding``, ``dilation``, ``padding_mode`` given here). Parameters are copies.
+        (:class:`SparseConv1d`: of an ``nn.Conv1d`` or an ``(out_channels, in_channels, k)`` weight.)"""
         dense_name = f"nn.{cls._dense_class.__name__}"
         if isinstance(conv_or_weight, cls._dense_class):
             conv = conv_or_weight
@@ -191,7 +192,8 @@ class SparseConv2d(SparseLinear):
     ) -> SparseConv2d:
         """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
         ``col`` the position in ``in_channels · kh · kw`` (``c · kh · kw + i · kw + j``), in any
-        order, without duplicates; ``shape`` is ``(out_channels, in_channels, kh, kw)``."""
+        order, without duplicates; ``shape`` is ``(out_channels, in_channels, kh, kw)``
+        (:class:`SparseConv1d`: ``col`` is ``c · k + j`` and ``shape`` ``(out_channels, in_channels, k)``)."""
         if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
             raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
         out_channels, in_channels, *kernel = shape
