@@ -227,7 +227,7 @@ def test_bad_arguments_raise_clear_errors():
         snack.SparseConv1d.from_coo(torch.tensor([0]), torch.tensor([0]), torch.ones(1), (3, 2, 3, 3))
 
 
-def test_tracing_and_compiling_follow_the_im2col_path():
+def test_tracing_compiling_exporting_torch_func_and_autocast():
     model = nn.Sequential(snack.SparseConv1d(3, 4, 3, padding=1, sparsity=0.5), nn.ReLU())
     x = torch.randn(2, 3, 9)
     expected = model(x)
@@ -236,6 +236,20 @@ def test_tracing_and_compiling_follow_the_im2col_path():
     torch.testing.assert_close(torch.jit.trace(model, x)(x), expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), expected,
                                atol=1e-6, rtol=1e-5)  # fmt: skip
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+    other = torch.randn(5, 3, 9)
+    torch.testing.assert_close(exported(other), model(other), atol=1e-6, rtol=1e-5)
+    layer = model[0]  # per-sample gradients by torch.func
+    params = {"values": layer.values.detach(), "bias": layer.bias.detach()}
+
+    def loss(params, sample):
+        return torch.func.functional_call(layer, params, (sample.unsqueeze(0),)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(2):
+        layer.zero_grad()
+        layer(x[i : i + 1]).square().sum().backward()
+        torch.testing.assert_close(per_sample["values"][i], layer.values.grad, atol=1e-5, rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(x)
     assert low.dtype == torch.bfloat16
