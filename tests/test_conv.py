@@ -39,8 +39,9 @@ GEOMETRIES = [
 PATHS = ["native", "reference"]  # the direct kernels; im2col through the reference ops
 
 
-def _dense_twin(layer: snack.SparseConv2d) -> nn.Conv2d:
-    dense = nn.Conv2d(
+def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
+    """The ``nn.Conv2d`` (``nn.Conv1d`` for a :class:`snack.SparseConv1d`) of ``layer``'s weight."""
+    dense = layer._dense_class(
         layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
         bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
     )  # fmt: skip

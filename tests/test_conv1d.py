@@ -15,8 +15,7 @@ from torch import nn
 
 import snack
 from snack.dst.capture import GradientCapture
-
-PATHS = ["native", "reference"]  # the direct kernels; im2col through the reference ops
+from tests.test_conv import PATHS, _check_against_dense, _dense_twin, _run
 
 GEOMETRIES = [
     dict(kernel_size=3),
@@ -29,41 +28,6 @@ GEOMETRIES = [
     dict(kernel_size=3, padding=1, padding_mode="circular", bias=False),
     dict(kernel_size=2, padding="valid", padding_mode="replicate"),
 ]
-
-
-def _dense_twin(layer: snack.SparseConv1d) -> nn.Conv1d:
-    dense = nn.Conv1d(
-        layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
-        bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
-    )  # fmt: skip
-    with torch.no_grad():
-        dense.weight.copy_(layer.to_dense())
-        if layer.bias is not None:
-            dense.bias.copy_(layer.bias)
-    return dense
-
-
-def _run(layer, x, path):
-    if path == "reference":
-        with snack.use_backend("reference"):
-            return layer(x)
-    return layer(x)
-
-
-def _check_against_dense(layer, x, path):
-    dense = _dense_twin(layer)
-    x = x.detach().requires_grad_()
-    x_dense = x.detach().clone().requires_grad_()
-    y, y_dense = _run(layer, x, path), dense(x_dense)
-    torch.testing.assert_close(y, y_dense)
-    dy = torch.randn_like(y_dense)
-    y.backward(dy)
-    y_dense.backward(dy)
-    torch.testing.assert_close(x.grad, x_dense.grad)
-    flat = dense.weight.grad.reshape(layer.out_channels, -1)[layer.row.long(), layer.col.long()]
-    torch.testing.assert_close(layer.values.grad, flat)
-    if layer.bias is not None:
-        torch.testing.assert_close(layer.bias.grad, dense.bias.grad)
 
 
 @pytest.mark.parametrize("path", PATHS)
