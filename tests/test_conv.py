@@ -185,10 +185,11 @@ def test_results_do_not_depend_on_the_thread_count():
         assert torch.equal(one, other)
 
 
-def test_empty_batch():
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_batch(path):
     layer = snack.SparseConv2d(2, 3, 3, padding=1)
     x = torch.randn(0, 2, 5, 5, requires_grad=True)
-    y = layer(x)
+    y = _run(layer, x, path)
     assert y.shape == (0, 3, 5, 5)
     y.sum().backward()
     assert x.grad.shape == x.shape and torch.equal(layer.values.grad, torch.zeros_like(layer.values))

@@ -52,6 +52,16 @@ def test_batch_one_unbatched_odd_lengths_and_no_connections(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_empty_batch(path):
+    layer = snack.SparseConv1d(2, 3, 3, padding=1)
+    x = torch.randn(0, 2, 5, requires_grad=True)
+    y = _run(layer, x, path)
+    assert y.shape == (0, 3, 5)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(layer.values.grad, torch.zeros_like(layer.values))
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_gradcheck_and_gradgradcheck(path):
     layer = snack.SparseConv1d(2, 3, 3, stride=2, padding=1, sparsity=0.5, dtype=torch.float64)
 

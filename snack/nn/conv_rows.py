@@ -81,6 +81,8 @@ def _folded(drows: Tensor, shape: torch.Size, geometry: ConvGeometry) -> Tensor:
     """The input gradient ``(N, C, H, W)`` of rows' gradient ``drows (N · H_out · W_out, C · kh ·
     kw)``: each row's entries summed back into the windows they came from, the padding cut off."""
     n, _, height, width = shape
+    if n == 0:  # (no rows to tell H_out · W_out)
+        return drows.new_zeros(shape)
     left, right, top, bottom = geometry.zero_padding
     columns = drows.view(n, -1, drows.shape[1]).transpose(1, 2)  # (N, C·kh·kw, H_out·W_out), as F.fold takes
     padded = F.fold(columns, (height + top + bottom, width + left + right), geometry.kernel,
