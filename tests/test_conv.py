@@ -384,15 +384,17 @@ def test_erk_is_kernel_aware():
     assert ratio == pytest.approx(((64 + 3 + 7 + 7) / sizes["conv"]) / ((10 + 512) / sizes["linear"]))
 
 
+@pytest.mark.parametrize("geometry", [dict(stride=2, padding=1), dict(dilation=(2, 1), padding=(2, 1),
+                                                                     padding_mode="reflect")], ids=str)
 @pytest.mark.parametrize("path", PATHS)
-def test_rigl_records_give_the_dense_weight_gradient(path):
-    layer = snack.SparseConv2d(3, 4, 3, stride=2, padding=1, sparsity=0.6, dtype=torch.float64)
+def test_rigl_records_give_the_dense_weight_gradient(path, geometry):
+    layer = snack.SparseConv2d(3, 4, 3, sparsity=0.6, dtype=torch.float64, **geometry)
     capture = GradientCapture([layer])
     capture.arm()
     x = torch.randn(3, 3, 9, 8, dtype=torch.float64)
     _run(layer, x, path).square().sum().backward()
     x_kept, dy_rows = capture.batch(0)
-    torch.testing.assert_close(x_kept, F.pad(x, (1, 1, 1, 1)))  # the padded input, not its im2col rows
+    torch.testing.assert_close(x_kept, layer._padded(x))  # the padded input, not its im2col rows
     dense = _dense_twin(layer)
     dense(x).square().sum().backward()
     gradient = dense.weight.grad.reshape(4, -1)
