@@ -311,8 +311,7 @@ class SparseConv2d(SparseLinear):
         cast_from = (values,) if cast_values is not values else ()
         rows = rows_conv2d(cast_x, cast_values, cast_bias, topology, geometry, lambda padded: self._im2col(padded)[0],
                            cast_from)  # fmt: skip
-        height, width = self._output_size(*cast_x.shape[-2:], geometry.zero_padding)
-        return rows.view(x.shape[0], height, width, self.out_features).permute(0, 3, 1, 2)
+        return self._output_of_rows(rows, cast_x, geometry.zero_padding)
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
         """``(H_out, W_out)`` of an input of ``height × width`` padded by ``padding`` (left, right,
@@ -353,9 +352,8 @@ class SparseConv2d(SparseLinear):
         32 held 515 MB of them for an update (99 MB of inputs now), and an update added 1.2 s to
         its step (0.5 s now, scoring with the convolution's backward)."""
         x = x if x.dim() == 4 else x.unsqueeze(0)
-        if not any(self._padding_amounts()):
-            return x.clone(memory_format=torch.contiguous_format)
-        return self._padded(x).contiguous()  # F.pad made a new tensor
+        padded = self._padded(x)
+        return padded.clone(memory_format=torch.contiguous_format) if padded is x else padded.contiguous()
 
     def _rows_of_record(self, record: Tensor) -> Tensor:
         """The im2col rows ``(N · H_out · W_out, in_features)`` of a padded input ``record``; rows
@@ -367,11 +365,12 @@ class SparseConv2d(SparseLinear):
         out_channels)``, row for row with :meth:`_rows_of_record`."""
         return y.movedim(-3, -1).reshape(-1, self.out_features)
 
-    def _output_of_rows(self, rows: Tensor, record: Tensor) -> Tensor:
+    def _output_of_rows(self, rows: Tensor, x: Tensor, padding: tuple[int, int, int, int] = (0, 0, 0, 0)) -> Tensor:
         """Output rows ``(N · H_out · W_out, out_channels)`` (:meth:`_rows_of_output`) → ``(N,
-        out_channels, H_out, W_out)`` (a view), for the padded input ``record`` they came from."""
-        height, width = self._output_size(*record.shape[-2:], (0, 0, 0, 0))
-        return rows.view(record.shape[0], height, width, self.out_features).permute(0, 3, 1, 2)
+        out_channels, H_out, W_out)`` (a view), for the input ``x (N, C, H, W)`` they came from,
+        padded by ``padding`` (none: a record, already padded)."""
+        height, width = self._output_size(*x.shape[-2:], padding)
+        return rows.view(x.shape[0], height, width, self.out_features).permute(0, 3, 1, 2)
 
     # ------------------------------------------------------------------ conversion
 
