@@ -137,7 +137,7 @@ class MaskedConv2d(nn.Conv2d):
         values = sparse.values
         super().__init__(
             sparse.in_channels, sparse.out_channels, sparse.kernel_size, sparse.stride, sparse.padding,
-            sparse.dilation, bias=sparse.bias is not None, padding_mode=sparse.padding_mode,
+            sparse.dilation, sparse.groups, bias=sparse.bias is not None, padding_mode=sparse.padding_mode,
             device=values.device, dtype=values.dtype,
         )
         with torch.no_grad():
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
 def _shape(layer: snack.SparseLinear) -> str:
     """``out×in`` of a linear layer, ``out×in×kh×kw`` of a convolution's kernel."""
     if isinstance(layer, snack.SparseConv2d):
-        return "×".join(map(str, (layer.out_channels, layer.in_channels, *layer.kernel_size)))
+        return "×".join(map(str, (layer.out_channels, layer.in_channels // layer.groups, *layer.kernel_size)))
     return f"{layer.out_features}×{layer.in_features}"
 
 

@@ -43,7 +43,7 @@ def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
     """The ``nn.Conv2d`` (``nn.Conv1d`` for a :class:`snack.SparseConv1d`) of ``layer``'s weight."""
     dense = layer._dense_class(
         layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
-        bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
+        layer.groups, bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
     )  # fmt: skip
     with torch.no_grad():
         dense.weight.copy_(layer.to_dense())
@@ -262,8 +262,11 @@ def test_from_dense_keeps_the_largest_weights_and_geometry():
 
 
 def test_bad_arguments_raise_clear_errors():
-    with pytest.raises(ValueError, match="groups must be 1"):
-        snack.SparseConv2d(4, 4, 3, groups=2)
+    with pytest.raises(ValueError, match=r"groups must divide in_channels and out_channels, got groups=3 with "
+                                         "in_channels=4 and out_channels=6"):  # fmt: skip
+        snack.SparseConv2d(4, 6, 3, groups=3)
+    with pytest.raises(ValueError, match="groups must be a positive int, got 0"):
+        snack.SparseConv2d(4, 4, 3, groups=0)
     with pytest.raises(ValueError, match="padding='same' needs stride 1"):
         snack.SparseConv2d(4, 4, 3, stride=2, padding="same")
     with pytest.raises(ValueError, match="padding_mode must be one of"):
@@ -274,12 +277,13 @@ def test_bad_arguments_raise_clear_errors():
         snack.SparseConv2d(4, 4, 3, padding=-1)
     with pytest.raises(ValueError, match="in_channels and out_channels must be positive"):
         snack.SparseConv2d(0, 4, 3)
-    with pytest.raises(ValueError, match="groups must be 1"):
-        snack.SparseConv2d.from_dense(nn.Conv2d(4, 4, 3, groups=2))
     with pytest.raises(ValueError, match="must not be given with an nn.Conv2d"):
-        snack.SparseConv2d.from_dense(nn.Conv2d(4, 4, 3), stride=2)
-    with pytest.raises(ValueError, match=r"must be \(out_channels, in_channels, kh, kw\)"):
+        snack.SparseConv2d.from_dense(nn.Conv2d(4, 4, 3), groups=2)
+    with pytest.raises(ValueError, match=r"must be \(out_channels, in_channels / groups, kh, kw\)"):
         snack.SparseConv2d.from_dense(torch.randn(4, 12))
+    with pytest.raises(ValueError, match="groups must divide in_channels and out_channels, got groups=4 with "
+                                         "in_channels=8 and out_channels=6"):  # fmt: skip
+        snack.SparseConv2d.from_dense(torch.randn(6, 2, 3, 3), groups=4)
     layer = snack.SparseConv2d(3, 4, 3)
     with pytest.raises(ValueError, match=r"input must have shape \(N, 3, H, W\) or \(3, H, W\), got \(2, 4, 8, 8\)"):
         layer(torch.randn(2, 4, 8, 8))
@@ -289,7 +293,7 @@ def test_bad_arguments_raise_clear_errors():
         layer(torch.randn(1, 3, 2, 8))
     with pytest.raises(TypeError, match="input dtype torch.float64 does not match the layer's torch.float32"):
         layer(torch.randn(1, 3, 5, 5, dtype=torch.float64))
-    with pytest.raises(AttributeError, match=r"to_dense\(\)` builds the \(out_channels, in_channels, kh, kw\)"):
+    with pytest.raises(AttributeError, match=r"to_dense\(\)` builds the \(out_channels, in_channels / groups, kh, kw\)"):
         layer.weight
 
 
@@ -341,19 +345,21 @@ def test_sparsify_and_densify_convert_convolutions():
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2),
                         nn.Conv2d(8, 16, 3, stride=2), nn.Flatten(), nn.Linear(16 * 16, 10))  # fmt: skip
     x = torch.randn(2, 3, 12, 12)
-    with pytest.warns(UserWarning, match=r"left 1 grouped convolution\(s\) dense: 2 \(groups=2\)"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         model = snack.sparsify(net, 0.7, distribution="erk")
-    assert [type(m).__name__ for m in model] == ["SparseConv2d", "ReLU", "Conv2d", "SparseConv2d", "Flatten",
+    assert [type(m).__name__ for m in model] == ["SparseConv2d", "ReLU", "SparseConv2d", "SparseConv2d", "Flatten",
                                                  "SparseLinear"]  # fmt: skip
+    assert model[2].groups == 2 and model[2].in_features == 4 * 9
     sparse = [m for m in model if isinstance(m, snack.SparseLinear)]
-    total = 8 * 27 + 16 * 72 + 10 * 256
+    total = 8 * 27 + 8 * 36 + 16 * 72 + 10 * 256
     assert abs(sum(m.nnz for m in sparse) - 0.3 * total) <= len(sparse)
     y = model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dense = snack.densify(model)
     assert [type(m).__name__ for m in dense] == ["Conv2d", "ReLU", "Conv2d", "Conv2d", "Flatten", "Linear"]
-    assert dense[3].stride == (2, 2)
+    assert dense[3].stride == (2, 2) and dense[2].groups == 2
     torch.testing.assert_close(dense(x), y, atol=1e-5, rtol=1e-5)
 
 
@@ -445,10 +451,10 @@ def test_rigl_updates_a_convolution_run_on_two_image_sizes_in_one_step():
 def test_gradient_grow_refuses_a_padded_input_without_its_convolution():
     layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5)
     x, dy = torch.randn(1, 2, 5, 5), torch.randn(9, 3)
-    with pytest.raises(ValueError, match=r"x must be \(B, in\) rows, or a convolution's padded input"):
+    with pytest.raises(ValueError, match=r"x must be \(B, 18\) rows, or a convolution's padded input"):
         gradient_grow(x, dy, layer.topology, 2)
-    with pytest.raises(ValueError, match="convolution= the layer"):
-        gradient_grow(layer._rows_of_record(x), dy, layer.topology, 2, convolution=layer)
+    with pytest.raises(ValueError, match=r"x must be \(B, 18\) rows.* got x of shape \(9, 12\)"):
+        gradient_grow(torch.randn(9, 12), dy, layer.topology, 2, convolution=layer)
     with pytest.raises(ValueError, match="x must have 2 channels, got"):
         gradient_grow(torch.randn(1, 3, 5, 5), dy, layer.topology, 2, convolution=layer)
 

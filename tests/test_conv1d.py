@@ -83,7 +83,7 @@ def test_attributes_and_repr_are_conv1d_ones():
         assert getattr(layer, name) == getattr(dense, name), name
     assert layer.in_features == 20 and layer.to_dense().shape == (6, 4, 5)
     assert repr(layer).startswith("SparseConv1d(4, 6, kernel_size=(5,), stride=(2,), padding=(2,), nnz=")
-    with pytest.raises(AttributeError, match=r"SparseConv1d has no dense weight.*\(out_channels, in_channels, "
+    with pytest.raises(AttributeError, match=r"SparseConv1d has no dense weight.*\(out_channels, in_channels / groups, "
                                              r"kernel_size\) weight.*nn\.Conv1d"):  # fmt: skip
         layer.weight
 
@@ -114,12 +114,12 @@ def test_sparsify_and_densify_convert_conv1d():
     net = nn.Sequential(nn.Conv1d(3, 8, 5, padding="same"), nn.ReLU(), nn.Conv1d(8, 8, 3, groups=2),
                         nn.Conv1d(8, 4, 3, stride=2), nn.Flatten(), nn.Linear(4 * 4, 2))  # fmt: skip
     x = torch.randn(2, 3, 12)
-    with pytest.warns(UserWarning, match=r"left 1 grouped convolution\(s\) dense: 2 \(groups=2\)"):
-        model = snack.sparsify(net, 0.7, distribution="erk")
-    assert [type(m).__name__ for m in model] == ["SparseConv1d", "ReLU", "Conv1d", "SparseConv1d", "Flatten",
+    model = snack.sparsify(net, 0.7, distribution="erk")
+    assert [type(m).__name__ for m in model] == ["SparseConv1d", "ReLU", "SparseConv1d", "SparseConv1d", "Flatten",
                                                  "SparseLinear"]  # fmt: skip
-    total = 8 * 15 + 4 * 24 + 2 * 16
-    assert abs(sum(m.nnz for m in model if isinstance(m, snack.SparseLinear)) - 0.3 * total) <= 3
+    assert model[2].groups == 2 and model[2].to_dense().shape == (8, 4, 3)
+    total = 8 * 15 + 8 * 12 + 4 * 24 + 2 * 16
+    assert abs(sum(m.nnz for m in model if isinstance(m, snack.SparseLinear)) - 0.3 * total) <= 4
     y = model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -180,8 +180,8 @@ def test_rigl_trains_a_small_1d_cnn():
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match=r"SparseConv1d: kernel_size must be a positive int or a tuple of 1"):
         snack.SparseConv1d(2, 3, (3, 3))
-    with pytest.raises(ValueError, match="SparseConv1d: groups must be 1"):
-        snack.SparseConv1d(2, 4, 3, groups=2)
+    with pytest.raises(ValueError, match="SparseConv1d: groups must divide in_channels and out_channels"):
+        snack.SparseConv1d(2, 4, 3, groups=4)
     with pytest.raises(ValueError, match=r"padding='same' needs stride 1 \(as nn.Conv1d\)"):
         snack.SparseConv1d(2, 3, 3, stride=2, padding="same")
     with pytest.raises(ValueError, match=r"SparseConv1d: in_channels and out_channels must be positive"):
@@ -193,11 +193,11 @@ def test_bad_arguments_raise_clear_errors():
         layer(torch.randn(1, 3, 5))
     with pytest.raises(ValueError, match=r"padded to length 2, is shorter than the dilated kernel \(3\)"):
         layer(torch.randn(1, 2, 2))
-    with pytest.raises(ValueError, match=r"a weight must be \(out_channels, in_channels, kernel_size\)"):
+    with pytest.raises(ValueError, match=r"a weight must be \(out_channels, in_channels / groups, kernel_size\)"):
         snack.SparseConv1d.from_dense(torch.randn(3, 2, 3, 3))
     with pytest.raises(TypeError, match="conv_or_weight must be an nn.Conv1d or a Tensor"):
         snack.SparseConv1d.from_dense(nn.Conv2d(2, 3, 3))
-    with pytest.raises(ValueError, match=r"shape must be \(out_channels, in_channels, kernel_size\)"):
+    with pytest.raises(ValueError, match=r"shape must be \(out_channels, in_channels / groups, kernel_size\)"):
         snack.SparseConv1d.from_coo(torch.tensor([0]), torch.tensor([0]), torch.ones(1), (3, 2, 3, 3))
 
 

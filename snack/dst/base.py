@@ -172,8 +172,9 @@ class DynamicSparsity:
         dtype; on several ranks, every rank's rows. For use while planning an update of an
         algorithm with ``needs_gradient = True``. ``∂L/∂W = dYᵀ·X``: score it in blocks (see
         :func:`snack.dst.prune_grow.gradient_grow`) rather than form it. A convolution's ``X`` are
-        its im2col rows, formed by this call (RigL scores the padded input it kept instead: see
-        :meth:`recorded_as_kept`)."""
+        its im2col rows ``(N · H_out · W_out, in_channels · kh · kw)``, formed by this call (RigL
+        scores the padded input it kept instead: see :meth:`recorded_as_kept`); a grouped one's
+        hold every group's columns, so ``gradient_grow`` needs ``convolution=`` the layer."""
         x, dy = self.recorded_as_kept(layer)
         return layer._rows_of_record(x), dy
 
@@ -313,7 +314,7 @@ class DynamicSparsity:
         values = layer.values
         if self._group is None or self._count(step, layer) == 0:
             return recorded if recorded is None else tuple(t.to(values.dtype) for t in recorded)
-        x, dy = recorded if recorded is not None else (values.new_empty(0, layer.in_features),
+        x, dy = recorded if recorded is not None else (values.new_empty(0, layer._rows_width),
                                                         values.new_empty(0, layer.out_features))
         x = x if recorded is None else layer._rows_of_record(x)  # rows: ranks' inputs may differ in size
         x, rows = distributed.gather_rows(x.to(values.dtype), self._group)

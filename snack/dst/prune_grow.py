@@ -100,19 +100,22 @@ def gradient_grow(
 
     A convolution's ``∂L/∂W`` is scored from its padded input instead of its im2col rows
     (``convolution=``): each block is the weight gradient of a block of output channels, by
-    torch's convolution backward, never the rows (``kh·kw`` times the input's size).
+    torch's convolution backward, never the rows (``kh·kw`` times the input's size). A grouped
+    convolution's output channels are scored against their group's input channels only, from
+    its padded input or its rows (``in_channels · kh · kw`` wide, all groups).
 
     Args:
         x: ``(B, in)`` layer inputs of the batch; with ``convolution``, its padded input ``(N, C,
-            Hp, Wp)`` (as :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it).
+            Hp, Wp)`` (as :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it) or its
+            im2col rows ``(N · H_out · W_out, C · kh · kw)`` (as :meth:`recorded_batch` does).
         dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (a convolution's:
             ``(N · H_out · W_out, out)``, positions in row-major order). ``x`` and ``dy`` in
             float16 or bfloat16 are scored in float32.
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
         block_elements: how many scores one block may hold (a block has at least one row).
-        convolution: the :class:`snack.SparseConv2d` whose padded input ``x`` is (its kernel
-            size, stride and dilation).
+        convolution: the :class:`snack.SparseConv2d` whose padded input or rows ``x`` are (its
+            kernel size, stride, dilation and groups).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -120,17 +123,20 @@ def gradient_grow(
     out_features, in_features = topology.shape
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
-    if (x.dim() == 4) != (convolution is not None):
+    width = in_features if convolution is None else convolution._rows_width
+    if not (x.dim() == 2 and x.shape[1] == width or x.dim() == 4 and convolution is not None):
         raise ValueError(
-            f"gradient_grow: x must be (B, in) rows, or a convolution's padded input (N, C, Hp, Wp) with "
+            f"gradient_grow: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp) with "
             f"convolution= the layer; got x of shape {tuple(x.shape)} and convolution={convolution!r}"
+            + (" (a convolution's rows need convolution= the layer)" if convolution is None and x.dim() == 2 else "")
         )
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    if convolution is not None and x.shape[1] != convolution.in_channels:
+    if x.dim() == 4 and x.shape[1] != convolution.in_channels:
         raise ValueError(f"gradient_grow: x must have {convolution.in_channels} channels, got {tuple(x.shape)}")
-    if convolution is None:
-        scores = _GradientScores(x, dy, topology)
+    groups = 1 if convolution is None else convolution.groups
+    if x.dim() == 2:
+        scores = _GradientScores(x, dy, topology, groups)
     else:
         scores = _ConvolutionScores(x, dy, topology, convolution)
     rows_per_block = max(1, block_elements // in_features)
@@ -154,16 +160,19 @@ class _GradientScores:
     On the CPU, for a batch up to ``_NATIVE_MAX_BATCH``, :meth:`above` runs the native kernel
     (``snack/backends/cpu/grow_scores.cpp``), which forms a few rows of scores at a time and keeps
     only those reaching the bar. Its sums may differ from torch's matrix product in the last bit
-    (another summation order)."""
+    (another summation order).
 
-    def __init__(self, x: Tensor, dy: Tensor, topology: Topology):
+    With ``groups > 1`` (a grouped convolution's rows ``x (B, groups · in)``) output row ``r``
+    is scored against the ``in`` columns of its group, ``r // (out / groups)``."""
+
+    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, groups: int = 1):
         # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores,
         # arbitrary picks) and bfloat16 rounds close scores into ties (x once, dy a few rows at a
         # time: the copy adds B·in elements, not B·(in + out))
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x, self.dy_t = x.to(self.dtype), dy.t()
-        self.topology = topology
-        self.native = x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
+        self.topology, self.groups = topology, groups
+        self.native = groups == 1 and x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
         if self.native:  # (contiguous copies: B·(in + out) elements)
             self.x, self.dy_t = self.x.contiguous(), self.dy_t.to(self.dtype).contiguous()
 
@@ -207,29 +216,66 @@ class _GradientScores:
 
     def _keys(self, rows: slice) -> Tensor:
         """The flattened keys of ``|∂L/∂W|`` of ``rows`` (a slice of the output features)."""
-        # (contiguous rows of dyᵀ: the product took twice as long from strided ones)
-        return ordering_keys((self.dy_t[rows].to(self.dtype).contiguous() @ self.x).abs_().view(-1))
+        in_features = self.topology.shape[1]
+        parts = []
+        for piece, first, last in _group_pieces(rows, self.topology.shape[0], self.groups):
+            # (contiguous rows of dyᵀ: the product took twice as long from strided ones)
+            dy_t = self.dy_t[piece].to(self.dtype).contiguous()  # (rows, B)
+            x = self.x[:, first * in_features : last * in_features]  # (B, groups of the piece · in)
+            if last - first == 1:
+                parts.append(dy_t @ x)
+            else:  # whole groups, each its rows against its columns
+                x = x.view(x.shape[0], last - first, in_features).transpose(0, 1)
+                parts.append(torch.bmm(dy_t.view(last - first, -1, dy_t.shape[1]), x).view(-1, in_features))
+        gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return ordering_keys(gradient.abs_().view(-1))
 
 
 class _ConvolutionScores(_GradientScores):
     """:class:`_GradientScores` of a convolution from its padded input ``x (N, C, Hp, Wp)``: a
     block of rows is the weight gradient of a block of output channels, by torch's convolution
-    backward (oneDNN on the CPU), ``(rows, C, kh, kw)``, the rows' order of ``in_features``."""
+    backward (oneDNN on the CPU), ``(rows, C / groups, kh, kw)``, the rows' order of
+    ``in_features``."""
 
     def __init__(self, x: Tensor, dy: Tensor, topology: Topology, convolution: SparseConv2d):
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x = x.to(self.dtype)
         self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)
-        self.topology = topology
+        self.topology, self.groups = topology, convolution.groups
         self.native = False
         self.geometry = convolution._kernel2d, convolution._stride2d, convolution._dilation2d
 
     def _keys(self, rows: slice) -> Tensor:
         (kh, kw), stride, dilation = self.geometry
-        dy = self.dy[:, rows]
-        weight_size = (dy.shape[1], self.x.shape[1], kh, kw)
-        gradient = torch.nn.grad.conv2d_weight(self.x, weight_size, dy, stride, 0, dilation)
+        channels = self.x.shape[1] // self.groups  # of one group
+        parts = []
+        for piece, first, last in _group_pieces(rows, self.topology.shape[0], self.groups):
+            dy = self.dy[:, piece]
+            weight_size = (dy.shape[1], channels, kh, kw)
+            x = self.x[:, first * channels : last * channels]
+            parts.append(torch.nn.grad.conv2d_weight(x, weight_size, dy, stride, 0, dilation, last - first))
+        gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
         return ordering_keys(gradient.abs_().view(-1))
+
+
+def _group_pieces(rows: slice, out_features: int, groups: int) -> list[tuple[slice, int, int]]:
+    """``rows`` (a slice of the output features) cut where ``groups`` equal groups of them meet,
+    as ``(rows, first group, last group + 1)`` in order: rows of one group, or (a slice of step 1)
+    a run of whole groups, which one grouped product scores. One piece for ``groups=1``."""
+    per_group = out_features // groups
+    start, stop, step = rows.indices(out_features)
+    pieces = []
+    while start < stop:
+        group = start // per_group
+        whole = stop // per_group  # the groups before it end inside the slice
+        if step == 1 and start == group * per_group and whole > group + 1:
+            pieces.append((slice(start, whole * per_group), group, whole))
+            start = whole * per_group
+        else:
+            end = min(stop, (group + 1) * per_group)
+            pieces.append((slice(start, end, step), group, group + 1))
+            start += -(-(end - start) // step) * step  # the slice's first row at or past end
+    return pieces
 
 
 # A layer of fewer scores is ranked without a sampled bar unless it spans 4 blocks: the sample's

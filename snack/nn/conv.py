@@ -1,4 +1,4 @@
-"""``SparseConv2d``, a truly sparse drop-in for ``nn.Conv2d`` (``groups=1``)."""
+"""``SparseConv2d``, a truly sparse drop-in for ``nn.Conv2d`` (grouped and depthwise ones too)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from snack.nn import tracing
 from snack.nn.conv_rows import rows_conv2d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear, _copied_bias, _reject_meta
 from snack.ops import _sparse_linear, autocast_inputs
-from snack.topology import check_shape_pair, coo_from_dense
+from snack.topology import Topology, _outside_transient_modes, check_shape_pair, coo_from_dense
 
 __all__ = ["SparseConv2d"]
 
@@ -31,14 +31,22 @@ class SparseConv2d(SparseLinear):
 
     Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output ``(N, C_out, H_out, W_out)`` (or without
     ``N``), with ``nn.Conv2d``'s arguments and output size. The weight is the sparse
-    ``(out_channels, in_channels · kh · kw)`` matrix ``nn.Conv2d``'s weight is when flattened:
-    connection ``(o, col)`` joins output channel ``o`` to input channel ``col // (kh·kw)`` at kernel
-    tap ``divmod(col % (kh·kw), kw)``. So this is a :class:`SparseLinear` with
-    ``in_features = in_channels · kh · kw``: ``row``, ``col``, ``values``, ``set_topology``, the
-    state_dict and every :mod:`snack.dst` algorithm work on it unchanged, and :meth:`to_dense` gives
-    the ``(out_channels, in_channels, kh, kw)`` weight. Initialisation is ``nn.Conv2d``'s
-    variance with the sparse fan-in, as for :class:`SparseLinear` (whose ``fan_in`` rule is
-    ``nn.Conv2d``'s with ``in_channels · kh · kw`` inputs).
+    ``(out_channels, in_channels / groups · kh · kw)`` matrix ``nn.Conv2d``'s weight is when
+    flattened: connection ``(o, col)`` joins output channel ``o`` to input channel ``col // (kh·kw)``
+    of its group at kernel tap ``divmod(col % (kh·kw), kw)``. So this is a :class:`SparseLinear`
+    with ``in_features = in_channels / groups · kh · kw``: ``row``, ``col``, ``values``,
+    ``set_topology``, the state_dict and every :mod:`snack.dst` algorithm work on it unchanged, and
+    :meth:`to_dense` gives the ``(out_channels, in_channels / groups, kh, kw)`` weight.
+    Initialisation is ``nn.Conv2d``'s variance with the sparse fan-in, as for :class:`SparseLinear`
+    (whose ``fan_in`` rule is ``nn.Conv2d``'s with ``in_features`` inputs).
+
+    With ``groups > 1`` output channel ``o`` reads the input channels of its group only (group
+    ``o // (out_channels / groups)``), as in ``nn.Conv2d``: a topology, a rewire or growth can
+    only name connections inside the groups, since ``col`` counts within one. The kernels compute
+    it as an ungrouped convolution whose connections all lie in their groups' blocks (each
+    ``col`` moved to its group's block of ``in_channels · kh · kw`` columns): the layer keeps a
+    second column index for that, ``nnz`` int32s and their column order, rebuilt with each
+    topology.
 
     How it computes:
 
@@ -56,8 +64,8 @@ class SparseConv2d(SparseLinear):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, padding_mode: as for
             ``nn.Conv2d`` (``padding`` an int, a pair, ``"valid"`` or ``"same"``).
-        groups: must be 1 (a grouped convolution's weight is block-diagonal, which random
-            topologies and growth would not respect).
+        groups: as for ``nn.Conv2d``: it divides ``in_channels`` and ``out_channels``;
+            ``groups == in_channels`` is a depthwise convolution.
         bias: learn an additive bias per output channel.
         sparsity: fraction of zero connections in ``[0, 1)``, drawn uniformly at random.
         device, dtype: of the parameters.
@@ -79,9 +87,9 @@ class SparseConv2d(SparseLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        _check_channels(in_channels, out_channels, type(self).__name__)
         geometry = self._checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
-        in_features = int(in_channels) * math.prod(geometry["kernel_size"])
+        _check_channels(in_channels, out_channels, geometry, type(self).__name__)
+        in_features = int(in_channels) // geometry["groups"] * math.prod(geometry["kernel_size"])
         super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
         self._set_geometry(int(in_channels), geometry)
 
@@ -91,7 +99,9 @@ class SparseConv2d(SparseLinear):
 
     @classmethod
     def _weight_shape(cls) -> str:
-        return "(out_channels, in_channels, kh, kw)" if cls._dims == 2 else "(out_channels, in_channels, kernel_size)"
+        if cls._dims == 2:
+            return "(out_channels, in_channels / groups, kh, kw)"
+        return "(out_channels, in_channels / groups, kernel_size)"
 
     @classmethod
     def _checked_geometry(cls, kernel_size, stride, padding, dilation, groups, padding_mode) -> dict:
@@ -99,8 +109,8 @@ class SparseConv2d(SparseLinear):
 
     def _set_geometry(self, in_channels: int, geometry: dict) -> None:
         self.in_channels = in_channels
-        self.groups = 1
         self.__dict__.update(geometry)
+        self._unfolded_cache: tuple[Topology, Topology] | None = None  # see _unfolded
 
     @property
     def out_channels(self) -> int:
@@ -137,29 +147,31 @@ class SparseConv2d(SparseLinear):
         stride: int | tuple[int, int] = 1,
         padding: int | tuple[int, int] | str = 0,
         dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
         padding_mode: str = "zeros",
     ) -> SparseConv2d:
         """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
         ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
-        used) or of an ``(out_channels, in_channels, kh, kw)`` weight tensor (with ``bias``,
-        ``stride``, ``padding``, ``dilation``, ``padding_mode`` given here). Parameters are copies.
-        (:class:`SparseConv1d`: of an ``nn.Conv1d`` or an ``(out_channels, in_channels, k)`` weight.)"""
+        used) or of an ``(out_channels, in_channels / groups, kh, kw)`` weight tensor (with
+        ``bias``, ``stride``, ``padding``, ``dilation``, ``groups``, ``padding_mode`` given here).
+        Parameters are copies. (:class:`SparseConv1d`: of an ``nn.Conv1d`` or an ``(out_channels,
+        in_channels / groups, k)`` weight.)"""
         dense_name = f"nn.{cls._dense_class.__name__}"
         if isinstance(conv_or_weight, cls._dense_class):
             conv = conv_or_weight
-            given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
-            defaults = dict(bias=None, stride=1, padding=0, dilation=1, padding_mode="zeros")
+            given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                         padding_mode=padding_mode)  # fmt: skip
+            defaults = dict(bias=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros")
             if given != defaults:
                 raise ValueError(
-                    "from_dense: bias, stride, padding, dilation and padding_mode must not be given with an "
+                    "from_dense: bias, stride, padding, dilation, groups and padding_mode must not be given with an "
                     f"{dense_name}; its own are used"
                 )
             if conv._forward_pre_hooks:
                 raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
-            if conv.groups != 1:
-                raise ValueError(f"conv_or_weight: groups must be 1, got an {dense_name} with groups={conv.groups}")
             weight, bias = conv.weight, conv.bias
-            stride, padding, dilation, padding_mode = conv.stride, conv.padding, conv.dilation, conv.padding_mode
+            stride, padding, dilation, groups = conv.stride, conv.padding, conv.dilation, conv.groups
+            padding_mode = conv.padding_mode
         elif isinstance(conv_or_weight, Tensor):
             weight = conv_or_weight
             if weight.dim() != 2 + cls._dims:
@@ -167,11 +179,11 @@ class SparseConv2d(SparseLinear):
         else:
             raise TypeError(f"conv_or_weight must be an {dense_name} or a Tensor, got {type(conv_or_weight).__name__}")
         _reject_meta(weight.device)
-        out_channels, in_channels, *kernel = weight.shape
-        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, 1, padding_mode)
-        _check_channels(in_channels, out_channels, cls.__name__)
+        out_channels, group_channels, *kernel = weight.shape
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
+        in_channels = _channels_of_weight(weight.shape, geometry, "conv_or_weight", cls.__name__)
         row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
-        layer = cls._from_parts(in_channels * math.prod(kernel), out_channels, row, col, values,
+        layer = cls._from_parts(group_channels * math.prod(kernel), out_channels, row, col, values,
                                 _copied_bias(bias, out_channels, weight.dtype))  # fmt: skip
         layer._set_geometry(in_channels, geometry)
         return layer
@@ -188,22 +200,24 @@ class SparseConv2d(SparseLinear):
         stride: int | tuple[int, int] = 1,
         padding: int | tuple[int, int] | str = 0,
         dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
         padding_mode: str = "zeros",
     ) -> SparseConv2d:
         """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
-        ``col`` the position in ``in_channels · kh · kw`` (``c · kh · kw + i · kw + j``), in any
-        order, without duplicates; ``shape`` is ``(out_channels, in_channels, kh, kw)``
-        (:class:`SparseConv1d`: ``col`` is ``c · k + j`` and ``shape`` ``(out_channels, in_channels, k)``)."""
+        ``col`` the position in ``in_channels / groups · kh · kw`` (``c · kh · kw + i · kw + j``, ``c``
+        counted within the output channel's group), in any order, without duplicates; ``shape`` is
+        the dense weight's, ``(out_channels, in_channels / groups, kh, kw)`` (:class:`SparseConv1d`:
+        ``col`` is ``c · k + j`` and ``shape`` ``(out_channels, in_channels / groups, k)``)."""
         if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
             raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
-        out_channels, in_channels, *kernel = shape
-        _check_channels(in_channels, out_channels, cls.__name__)
-        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, 1, padding_mode)
+        out_channels, group_channels, *kernel = shape
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
+        in_channels = _channels_of_weight(shape, geometry, "shape", cls.__name__)
         kernel_size = math.prod(geometry["kernel_size"])
-        linear = SparseLinear.from_coo(row, col, values, (out_channels, in_channels * kernel_size), bias=bias)
+        linear = SparseLinear.from_coo(row, col, values, (out_channels, group_channels * kernel_size), bias=bias)
         layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
                                 linear.values.data, None if linear.bias is None else linear.bias.data)  # fmt: skip
-        layer._set_geometry(int(in_channels), geometry)
+        layer._set_geometry(in_channels, geometry)
         return layer
 
     # ------------------------------------------------------------------ forward
@@ -221,7 +235,7 @@ class SparseConv2d(SparseLinear):
             self._check_input(input, x)
         y = self._fast_forward(x)
         if y is None:
-            y = self._through_rows(self._padded(x), lambda rows: SparseLinear.forward(self, rows))
+            y = self._through_rows(self._padded(x), self._product)
         return y if batched else y.squeeze(0)
 
     def _padded(self, x: Tensor) -> Tensor:
@@ -286,19 +300,21 @@ class SparseConv2d(SparseLinear):
         """``F.conv2d`` for a full topology, else the native kernels where they apply."""
         zeros = self.padding_mode == "zeros"
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
-            weight = values.view(self.out_channels, self.in_channels, *self._kernel2d)
-            if zeros:  # F.conv2d pads inside, as nn.Conv2d: no padded copy kept for the backward
-                return F.conv2d(x, weight, bias, self._stride2d, self._padding2d, self._dilation2d)
-            return F.conv2d(self._padded(x), weight, bias, self._stride2d, 0, self._dilation2d)
+            weight = values.view(self.out_channels, -1, *self._kernel2d)
+            padding, x = (self._padding2d, x) if zeros else (0, self._padded(x))  # F.conv2d pads inside, as nn.Conv2d:
+            # no padded copy kept for the backward
+            return F.conv2d(x, weight, bias, self._stride2d, padding, self._dilation2d, self.groups)
         if not direct.applies(x, values):
             return None
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
             padded = self._padded(x) if zeros else x
-            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, topology, bias))
+            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, unfolded, bias))
+
+        unfolded = self._unfolded(topology)
 
         x = x if zeros else self._padded(x)
-        return direct.direct_conv2d(x.contiguous(), values, bias, topology, geometry, recompute)
+        return direct.direct_conv2d(x.contiguous(), values, bias, unfolded, geometry, recompute)
 
     def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
         """im2col as one autograd node that keeps ``x`` for the backward, not its rows
@@ -309,8 +325,8 @@ class SparseConv2d(SparseLinear):
             return None
         cast_x = cast_x if self.padding_mode == "zeros" else self._padded(cast_x)
         cast_from = (values,) if cast_values is not values else ()
-        rows = rows_conv2d(cast_x, cast_values, cast_bias, topology, geometry, lambda padded: self._im2col(padded)[0],
-                           cast_from)  # fmt: skip
+        rows = rows_conv2d(cast_x, cast_values, cast_bias, self._unfolded(topology), geometry,
+                           lambda padded: self._im2col(padded)[0], cast_from)  # fmt: skip
         return self._output_of_rows(rows, cast_x, geometry.zero_padding)
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
@@ -322,7 +338,7 @@ class SparseConv2d(SparseLinear):
                 (width + left + right - dw * (kw - 1) - 1) // sw + 1)  # fmt: skip
 
     def _im2col(self, x: Tensor) -> tuple[Tensor, tuple]:
-        """Padded ``x (N, C, Hp, Wp)`` → ``(rows (N · H_out · W_out, in_features), (N, H_out,
+        """Padded ``x (N, C, Hp, Wp)`` → ``(rows (N · H_out · W_out, C · kh · kw), (N, H_out,
         W_out))``: each output position's window, in the flattened kernel's order (a copy).
         Written for FX proxies too (no branch on sizes)."""
         (kh, kw), (sh, sw), (dh, dw) = self._kernel2d, self._stride2d, self._dilation2d
@@ -330,7 +346,7 @@ class SparseConv2d(SparseLinear):
         if (dh, dw) != (1, 1):
             windows = windows[..., ::dh, ::dw]
         sizes = (windows.shape[0], windows.shape[2], windows.shape[3])
-        return windows.permute(0, 2, 3, 1, 4, 5).reshape(-1, self.in_features), sizes
+        return windows.permute(0, 2, 3, 1, 4, 5).reshape(-1, self._rows_width), sizes
 
     def _through_rows(self, x: Tensor, linear) -> Tensor:
         """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
@@ -340,9 +356,63 @@ class SparseConv2d(SparseLinear):
         return linear(rows).view(n, height, width, self.out_features).permute(0, 3, 1, 2)
 
     def _fx_root_forward(self, input):
+        col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)
         return self._through_rows(self._padded(input), lambda rows: tracing.fx_sparse_linear(
-            rows, self.values, self.bias, self.row, self.col, self.out_features, self.in_features
+            rows, self.values, self.bias, self.row, col, self.out_features, self._rows_width
         ))  # fmt: skip
+
+    # ------------------------------------------------------------------ groups
+
+    @property
+    def _rows_width(self) -> int:
+        """Columns of the im2col rows and of :meth:`_unfolded` topologies: ``in_channels · kh · kw``."""
+        return self.in_features * self.groups
+
+    def _kernel_topology(self, topology: Topology) -> Topology:
+        return self._unfolded(topology)
+
+    def _unfolded(self, topology: Topology) -> Topology:
+        """The layer's ``topology`` over all ``in_channels · kh · kw`` columns of the unfolded
+        input, as the kernels compute it: itself for ``groups=1``; for a grouped layer each
+        connection's ``col`` moved to its group's block (:meth:`_unfolded_col`), so the ungrouped
+        kernels compute the grouped convolution. Built once per topology (the cache holds the
+        last pair: a rewire or load makes a new topology)."""
+        if self.groups == 1:
+            return topology
+        shape = (self.out_features, self._rows_width)
+        if tracing.program_tracing():  # the program derives it from the row/col it holds, as the topology itself
+            return tracing.traced_topology(topology.row, self._unfolded_col(topology.row, topology.col), shape)
+        cached = self._unfolded_cache
+        if cached is not None and cached[0] is topology:
+            return cached[1]
+        col = _outside_transient_modes(lambda: self._unfolded_col(topology.row, topology.col))
+        unfolded = Topology(topology.row, col, shape, validate=False)  # sorted and unique as topology's
+        self._unfolded_cache = (topology, unfolded)
+        return unfolded
+
+    def _unfolded_col(self, row: Tensor, col: Tensor) -> Tensor:
+        """``(nnz,)`` int32 columns among all ``in_channels · kh · kw``: output channel ``o`` is in
+        group ``o // (out_channels / groups)``, whose block of ``in_features`` columns starts at
+        ``group · in_features``. (Tensor ops only: FX proxies and traced programs record them.)"""
+        return col + (row // (self.out_features // self.groups)) * self.in_features
+
+    def index_tensors(self) -> list[Tensor]:
+        cached = self._unfolded_cache
+        unfolded = [] if cached is None else [cached[1].col, *cached[1].derived_so_far()]
+        return super().index_tensors() + unfolded
+
+    def _apply(self, fn, recurse=True):
+        self._unfolded_cache = None  # of the old tensors (a move would keep them alive)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_unfolded_cache"] = None  # rebuilt on demand, as the topology
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_unfolded_cache", None)  # pickled before groups were supported
+        super().__setstate__(state)
 
     # ------------------------------------------------------------------ rows for RigL
 
@@ -375,8 +445,8 @@ class SparseConv2d(SparseLinear):
     # ------------------------------------------------------------------ conversion
 
     def to_dense(self) -> Tensor:
-        """The ``(out_channels, in_channels, kh, kw)`` dense weight (differentiable in ``values``)."""
-        return super().to_dense().view(self.out_channels, self.in_channels, *self.kernel_size)
+        """The ``(out_channels, in_channels / groups, kh, kw)`` dense weight (differentiable in ``values``)."""
+        return super().to_dense().view(self.out_channels, self.in_channels // self.groups, *self.kernel_size)
 
     def __getattr__(self, name: str):
         try:
@@ -396,6 +466,8 @@ class SparseConv2d(SparseLinear):
             parts.append(f"padding={self.padding!r}")
         if self.dilation != (1,) * self._dims:
             parts.append(f"dilation={self.dilation}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
         if self.padding_mode != "zeros":
             parts.append(f"padding_mode={self.padding_mode!r}")
         parts.append(f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
@@ -407,12 +479,10 @@ SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # se
 
 def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, dims: int, layer: str) -> dict:
     """``nn.Conv2d``'s (``dims=2``) or ``nn.Conv1d``'s (1) geometry arguments, checked, as the
-    layer's attributes (tuples of ``dims`` ints; ``padding`` may be ``"valid"`` or ``"same"``)."""
-    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups != 1:
-        raise ValueError(
-            f"{layer}: groups must be 1, got {groups!r}: a grouped (or depthwise) convolution's weight is "
-            "block-diagonal, which random topologies and growth would not keep"
-        )
+    layer's attributes (tuples of ``dims`` ints; ``padding`` may be ``"valid"`` or ``"same"``;
+    ``groups`` an int, whose fit to the channels :func:`_check_channels` checks)."""
+    if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1:
+        raise ValueError(f"{layer}: groups must be a positive int, got {groups!r}")
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"{layer}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
     kernel_size = _ints(kernel_size, "kernel_size", 1, dims, layer)
@@ -425,7 +495,8 @@ def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mo
             raise ValueError(f"{layer}: padding='same' needs stride 1 (as nn.Conv{dims}d), got stride={stride}")
     else:
         padding = _ints(padding, "padding", 0, dims, layer)
-    return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation, padding_mode=padding_mode)
+    return dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation, groups=int(groups),
+                padding_mode=padding_mode)  # fmt: skip
 
 
 def _no_tracer_warnings() -> contextlib.AbstractContextManager:
@@ -457,11 +528,39 @@ def _tuple_of(count: int) -> str:
     return "a pair" if count == 2 else f"a tuple of {count}"
 
 
-def _check_channels(in_channels, out_channels, layer: str) -> None:
+def _check_channels(in_channels, out_channels, geometry: dict, layer: str) -> None:
+    """Raise unless the channels are positive ints that ``geometry``'s groups divide, and the
+    unfolded input's ``in_channels · kh · kw`` columns are int32 indices."""
     try:
         check_shape_pair((out_channels, in_channels))
     except (TypeError, ValueError):
         raise ValueError(
             f"{layer}: in_channels and out_channels must be positive ints, got {in_channels!r} and {out_channels!r}"
         ) from None
+    groups = geometry["groups"]
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(
+            f"{layer}: groups must divide in_channels and out_channels, got groups={groups} with in_channels="
+            f"{in_channels} and out_channels={out_channels}"
+        )
+    try:
+        check_shape_pair((out_channels, in_channels * math.prod(geometry["kernel_size"])))
+    except ValueError as error:
+        raise ValueError(f"{layer}: in_channels · kernel taps is too large ({error})") from None
+
+
+def _channels_of_weight(shape, geometry: dict, argument: str, layer: str) -> int:
+    """``in_channels`` of a weight of ``shape`` ``(out_channels, in_channels / groups, *kernel)``,
+    checked (:func:`_check_channels`), the error naming ``argument``."""
+    out_channels, group_channels = shape[0], shape[1]
+    try:
+        check_shape_pair((out_channels, group_channels))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{argument}: a weight's first two sizes (out_channels, in_channels / groups) must be positive ints, "
+            f"got {tuple(shape)}"
+        ) from None
+    in_channels = int(group_channels) * geometry["groups"]
+    _check_channels(in_channels, out_channels, geometry, layer)
+    return in_channels
 

@@ -1,4 +1,4 @@
-"""``SparseConv1d``, a truly sparse drop-in for ``nn.Conv1d`` (``groups=1``): a
+"""``SparseConv1d``, a truly sparse drop-in for ``nn.Conv1d`` (grouped ones too): a
 :class:`SparseConv2d` of height 1."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ class SparseConv1d(SparseConv2d):
 
     Input ``(N, C_in, L)`` or ``(C_in, L)``, output ``(N, C_out, L_out)`` (or without ``N``), with
     ``nn.Conv1d``'s arguments, attributes and output size. The weight is the sparse
-    ``(out_channels, in_channels · k)`` matrix ``nn.Conv1d``'s weight is when flattened:
-    connection ``(o, col)`` joins output channel ``o`` to input channel ``col // k`` at kernel tap
-    ``col % k``; :meth:`to_dense` gives the ``(out_channels, in_channels, k)`` weight.
+    ``(out_channels, in_channels / groups · k)`` matrix ``nn.Conv1d``'s weight is when flattened:
+    connection ``(o, col)`` joins output channel ``o`` to input channel ``col // k`` of its group at
+    kernel tap ``col % k``; :meth:`to_dense` gives the ``(out_channels, in_channels / groups, k)``
+    weight.
 
     It computes as a :class:`SparseConv2d` with a ``(1, k)`` kernel on inputs of height 1 (the
     same native kernels on the CPU, im2col elsewhere, the same RigL scoring), and is one to
@@ -29,7 +30,7 @@ class SparseConv1d(SparseConv2d):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, padding_mode: as for
             ``nn.Conv1d`` (each an int or a 1-tuple; ``padding`` also ``"valid"`` or ``"same"``).
-        groups: must be 1.
+        groups: as for ``nn.Conv1d`` (see :class:`SparseConv2d`).
         bias: learn an additive bias per output channel.
         sparsity: fraction of zero connections in ``[0, 1)``, drawn uniformly at random.
         device, dtype: of the parameters.

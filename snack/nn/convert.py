@@ -20,7 +20,7 @@ from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 __all__ = ["densify", "sparsify"]
 
 
-# the convolutions sparsify converts (the classes themselves, groups=1), and into what
+# the convolutions sparsify converts (the classes themselves), and into what
 SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[SparseConv2d]] = {nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d}
 
 
@@ -34,7 +34,7 @@ def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | 
     """``(weight (out, in), a convolution's (out, in, kh, kw) or (out, in, k), bias)`` of a layer
     ``sparsify`` converts, else ``None``."""
     # not subclasses: see sparsify
-    if type(module) is nn.Linear or type(module) in SPARSE_CONVOLUTIONS and module.groups == 1:
+    if type(module) is nn.Linear or type(module) in SPARSE_CONVOLUTIONS:
         return module.weight, module.bias
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -116,7 +116,6 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
-    grouped: list[str]  # nn.Conv2d or nn.Conv1d with groups > 1
     other_convolutions: list[str]  # 3-D, transposed convolutions (and subclasses of nn.Conv2d, nn.Conv1d)
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
@@ -127,7 +126,7 @@ def _choose_layers(
 ) -> tuple[dict, _LeftDense]:
     """The layers to convert, ``{first name: (module, all its names, weight (out, in), bias)}``,
     and the selected linear layers left dense."""
-    targets, left_dense = {}, _LeftDense([], [], [], [], [])
+    targets, left_dense = {}, _LeftDense([], [], [], [])
     owners = _parameter_owners(modules)
     for child, names in modules.values():
         if not _selected(names, include, exclude):
@@ -144,28 +143,19 @@ def _choose_layers(
                 targets[names[0]] = (child, names, *wb)
         elif isinstance(child, nn.Linear):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
-        elif type(child) in SPARSE_CONVOLUTIONS:
-            left_dense.grouped.append(f"{shown} (groups={child.groups})")
         elif isinstance(child, nn.modules.conv._ConvNd):
             left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
     return targets, left_dense
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
-    subclassed, grouped, other_convolutions, hooked, tied = left_dense
+    subclassed, other_convolutions, hooked, tied = left_dense
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
-            "has 1-D and 2-D convolutions only (nn.Conv1d and nn.Conv2d themselves, groups=1), not 3-D or transposed "
+            "has 1-D and 2-D convolutions only (nn.Conv1d and nn.Conv2d themselves), not 3-D or transposed "
             "ones; exclude them "
             "to silence this warning.",
-            stacklevel=3,
-        )
-    if grouped:
-        warnings.warn(
-            f"sparsify left {len(grouped)} grouped convolution(s) dense: {', '.join(grouped)}. SparseConv2d and "
-            "SparseConv1d have groups=1 only (a grouped weight is block-diagonal); exclude them to silence this "
-            "warning.",
             stacklevel=3,
         )
     if subclassed:
@@ -224,8 +214,10 @@ def sparsify(
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
-    Grouped convolutions (``groups > 1``, depthwise ones) stay dense, with a warning, and so do
-    3-D and transposed convolutions (and subclasses of ``nn.Conv2d`` and ``nn.Conv1d``).
+    Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
+    kw)`` kernels: a depthwise one, of few weights, gets a high density; exclude them to keep them
+    dense); 3-D and transposed convolutions (and subclasses of ``nn.Conv2d`` and ``nn.Conv1d``)
+    stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
@@ -256,7 +248,7 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
             return sparse_convolution.from_dense(dense, sparsity=sparsity)
         return sparse_convolution(
             dense.in_channels, dense.out_channels, dense.kernel_size, dense.stride, dense.padding, dense.dilation,
-            bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity, device=weight.device,
+            dense.groups, bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity, device=weight.device,
             dtype=weight.dtype,
         )
     if init == "magnitude":
@@ -337,7 +329,7 @@ def _dense_twin(layer: SparseLinear) -> dict:
         return dict(
             module_cls=layer._dense_class, in_channels=layer.in_channels, out_channels=layer.out_channels,
             kernel_size=layer.kernel_size, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
-            bias=layer.bias is not None, padding_mode=layer.padding_mode,
+            groups=layer.groups, bias=layer.bias is not None, padding_mode=layer.padding_mode,
         )
     return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
                 bias=layer.bias is not None)  # fmt: skip

@@ -209,9 +209,7 @@ class SparseLinear(nn.Module):
         # so a new key is never paired with an old topology
         key, cached = self._topology_key, self._topology
         row, col = self.row, self.col
-        if torch.compiler.is_exporting() or (
-            not torch.compiler.is_compiling() and torch._C._get_tracing_state() is not None  # torch.jit.trace
-        ):
+        if tracing.program_tracing():
             # The program calls snack::topology_index_data, which derives the index data from the
             # row/col it is run with, cached on their identity and version: right for whatever
             # row/col the program holds (a snapshot of this cache went stale, e.g. after
@@ -364,6 +362,11 @@ class SparseLinear(nn.Module):
                 f"SparseLinear(in_features={self.in_features}): input must have shape (*, {self.in_features}), "
                 f"got {tuple(input.shape)}"
             )
+        return self._product(input)
+
+    def _product(self, input: Tensor) -> Tensor:
+        """``input (*, width)`` times the weight, plus the bias: the forward of an input of the
+        width :meth:`_kernel_topology` takes (checked by the caller)."""
         values, bias, topology = self._consistent_state()
         if input.device != values.device:
             raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {values.device}")
@@ -384,7 +387,18 @@ class SparseLinear(nn.Module):
                 f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
                 f"the input (x.to({cast_values.dtype})){or_the_layer}"
             )
-        return _sparse_linear(x, cast_values, topology, bias, values)
+        return _sparse_linear(x, cast_values, self._kernel_topology(topology), bias, values)
+
+    @property
+    def _rows_width(self) -> int:
+        """Width of the rows the kernels multiply: ``in_features`` (a convolution's im2col rows:
+        ``in_channels · kh · kw``, :meth:`_rows_of_record`)."""
+        return self.in_features
+
+    def _kernel_topology(self, topology: Topology) -> Topology:
+        """The topology the kernels compute with, of the layer's ``topology``: itself (a grouped
+        convolution's spans all its input channels, :class:`SparseConv2d`)."""
+        return topology
 
     def _width_differs(self, input: Tensor) -> bool:
         if torch._C._get_tracing_state() is None:

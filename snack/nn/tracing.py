@@ -52,6 +52,14 @@ def fx_symbolic_tracing() -> bool:
     return torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling()
 
 
+def program_tracing() -> bool:
+    """Whether ``torch.export`` or ``torch.jit.trace`` records a program (whose index data come
+    from :func:`topology_index_data`); not ``torch.compile``."""
+    return torch.compiler.is_exporting() or (
+        not torch.compiler.is_compiling() and torch._C._get_tracing_state() is not None  # torch.jit.trace
+    )
+
+
 @torch.library.custom_op("snack::topology_index_data", mutates_args=())
 def topology_index_data(row: Tensor, col: Tensor, out_features: int, in_features: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(rowptr, colptr, csc_perm)`` of ``row``/``col``, validated, as :meth:`Topology.tensors`
