@@ -404,15 +404,18 @@ def test_a_training_step_runs_the_fused_backward(monkeypatch):
     assert calls == [{"bias_grad": True}]
 
 
-def test_a_convolution_runs_im2col_through_the_triton_kernels():
+@pytest.mark.parametrize("channels, groups", [((3, 5), 1), ((4, 6), 2), ((4, 4), 4)],
+                         ids=["ungrouped", "grouped", "depthwise"])  # fmt: skip
+def test_a_convolution_runs_im2col_through_the_triton_kernels(channels, groups):
     # SparseConv2d's native kernels are the CPU's: on the Triton backend (a GPU, or the interpreter
-    # here) its im2col rows go through SparseLinear's ops; checked against nn.Conv2d
-    layer = snack.SparseConv2d(3, 5, 3, stride=2, padding=1, sparsity=0.6).to(DEVICE)
-    dense = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(DEVICE)
+    # here) its im2col rows go through SparseLinear's ops (a grouped layer's with its columns moved
+    # to their groups' blocks); checked against nn.Conv2d
+    layer = snack.SparseConv2d(*channels, 3, stride=2, padding=1, groups=groups, sparsity=0.6).to(DEVICE)
+    dense = torch.nn.Conv2d(*channels, 3, stride=2, padding=1, groups=groups).to(DEVICE)
     with torch.no_grad():
         dense.weight.copy_(layer.to_dense())
         dense.bias.copy_(layer.bias)
-    x = torch.randn(2, 3, 9, 8, device=DEVICE, requires_grad=True)
+    x = torch.randn(2, channels[0], 9, 8, device=DEVICE, requires_grad=True)
     x_dense = x.detach().clone().requires_grad_()
     with snack.use_backend("triton"):
         y = layer(x)
@@ -420,7 +423,7 @@ def test_a_convolution_runs_im2col_through_the_triton_kernels():
     dense(x_dense).square().sum().backward()
     torch.testing.assert_close(y, dense(x_dense), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
-    flat = dense.weight.grad.reshape(5, -1)[layer.row.long(), layer.col.long()]
+    flat = dense.weight.grad.reshape(channels[1], -1)[layer.row.long(), layer.col.long()]
     torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
 
 

@@ -257,3 +257,27 @@ def test_no_dense_weight_in_a_training_step():
     assert layer.values.grad is not None and x.grad is not None
     grouped_weight = 512 * 16 * 9
     assert mode.largest < grouped_weight // 4, f"{mode.largest_op} produced {mode.largest} elements"
+
+
+def test_compiled_code_finds_the_kernels_topology_of_every_rewire():
+    # as for SparseLinear (tests/test_nn.py): built with each rewire, not in compiled code, where
+    # deriving index data breaks the graph and recompiles at every update
+    from torch._dynamo.utils import counters
+
+    model = nn.Sequential(snack.SparseConv2d(4, 6, 3, padding=1, groups=2, sparsity=0.5), nn.ReLU(),
+                          snack.SparseConv2d(6, 6, 3, groups=6, sparsity=0.5))  # fmt: skip
+    x = torch.randn(2, 4, 6, 6)
+    model(x)  # the first call builds the index data
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.SET(model, opt, update_every=1, total_steps=100, stop_fraction=1.0, schedule="constant")
+    for _ in range(3):
+        loss = compiled(x).square().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert dst.step()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch.testing.assert_close(compiled(x), model(x))

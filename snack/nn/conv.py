@@ -301,17 +301,16 @@ class SparseConv2d(SparseLinear):
         zeros = self.padding_mode == "zeros"
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, -1, *self._kernel2d)
-            padding, x = (self._padding2d, x) if zeros else (0, self._padded(x))  # F.conv2d pads inside, as nn.Conv2d:
-            # no padded copy kept for the backward
+            # zero padding inside F.conv2d, as nn.Conv2d does: no padded copy kept for the backward
+            padding, x = (self._padding2d, x) if zeros else (0, self._padded(x))
             return F.conv2d(x, weight, bias, self._stride2d, padding, self._dilation2d, self.groups)
         if not direct.applies(x, values):
             return None
+        unfolded = self._unfolded(topology)
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
             padded = self._padded(x) if zeros else x
             return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, unfolded, bias))
-
-        unfolded = self._unfolded(topology)
 
         x = x if zeros else self._padded(x)
         return direct.direct_conv2d(x.contiguous(), values, bias, unfolded, geometry, recompute)
@@ -387,8 +386,16 @@ class SparseConv2d(SparseLinear):
             return cached[1]
         col = _outside_transient_modes(lambda: self._unfolded_col(topology.row, topology.col))
         unfolded = Topology(topology.row, col, shape, validate=False)  # sorted and unique as topology's
+        # its index data now, as the layer's own topology has them: compiled code must find them
+        # built (deriving them there broke the graph at every layer: 18 graphs for 2 layers)
+        unfolded.tensors()
         self._unfolded_cache = (topology, unfolded)
         return unfolded
+
+    def _derived_topology(self, row: Tensor, col: Tensor) -> Topology:
+        topology = super()._derived_topology(row, col)
+        self._unfolded(topology)  # built with it, for compiled code (see SparseLinear._derived_topology)
+        return topology
 
     def _unfolded_col(self, row: Tensor, col: Tensor) -> Tensor:
         """``(nnz,)`` int32 columns among all ``in_channels · kh · kw``: output channel ``o`` is in
