@@ -26,10 +26,11 @@ LOCAL_BATCH = 8
 
 def model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    # a convolution too: RigL scores it from the padded inputs alone, from the gathered im2col rows
-    # on several ranks, and both must grow the same connections
-    net = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 6, 2, padding=1), nn.Flatten(), nn.ReLU(),
-                        nn.Linear(54, 20), nn.ReLU(), nn.Linear(20, 5)).double()  # fmt: skip
+    # convolutions too, one grouped: RigL scores them from the padded inputs alone, from the
+    # gathered im2col rows on several ranks, and both must grow the same connections
+    net = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 6, 2, padding=1), nn.ReLU(),
+                        nn.Conv2d(6, 6, 1, groups=3), nn.Flatten(), nn.ReLU(), nn.Linear(54, 20), nn.ReLU(),
+                        nn.Linear(20, 5)).double()  # fmt: skip
     return snack.sparsify(net, 0.7, init="random")
 
 
@@ -134,7 +135,7 @@ def another_topology_on_one_rank(rank: int) -> str:
     if rank == 1:  # e.g. a checkpoint of another run loaded on one rank only
         torch.manual_seed(99)
         other = snack.SparseLinear(54, 20, sparsity=0.7, dtype=torch.float64)
-        net[4].set_topology(other.row, other.col)
+        net[6].set_topology(other.row, other.col)
     return failure(dst.step)
 
 
