@@ -200,13 +200,17 @@ def test_empty_batch(path):
 @pytest.mark.parametrize("path", PATHS)
 def test_gradcheck_and_gradgradcheck(geometry, path):
     layer = snack.SparseConv2d(2, 3, sparsity=0.5, dtype=torch.float64, **geometry)
-    x = torch.randn(2, 2, 6, 5, dtype=torch.float64, requires_grad=True)
+    _gradcheck_and_gradgradcheck(layer, torch.randn(2, 2, 6, 5, dtype=torch.float64), path)
+
+
+def _gradcheck_and_gradgradcheck(layer: snack.SparseConv2d, x: torch.Tensor, path: str) -> None:
+    """First and second derivatives of ``layer`` in ``x``, ``values`` and ``bias`` (float64)."""
 
     def conv(x, values, bias):
         with snack.use_backend(path) if path == "reference" else contextlib.nullcontext():
             return torch.func.functional_call(layer, {"values": values, "bias": bias}, (x,))
 
-    inputs = (x, layer.values.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_())
+    inputs = [t.detach().clone().requires_grad_() for t in (x, layer.values, layer.bias)]
     assert torch.autograd.gradcheck(conv, inputs)
     assert torch.autograd.gradgradcheck(conv, inputs)
 
