@@ -113,6 +113,11 @@ def test_constructors_conversion_and_round_trips():
     assert type(dense) is nn.Conv2d and dense.groups == 3 and torch.equal(dense.weight, layer.to_dense())
     for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert copied.groups == 3 and torch.equal(copied(x), layer(x))
+    state = layer.__getstate__()
+    del state["_unfolded_cache"]  # as pickled before groups were supported
+    old_pickle = snack.SparseConv2d.__new__(snack.SparseConv2d)
+    old_pickle.__setstate__(state)
+    assert torch.equal(old_pickle(x), layer(x))
     other = snack.SparseConv2d(6, 9, 3, stride=2, padding=1, groups=3, sparsity=0.9)
     other.load_state_dict(layer.state_dict())
     assert torch.equal(other(x), layer(x))
