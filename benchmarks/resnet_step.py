@@ -167,7 +167,7 @@ def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, 
 
     def record(name):
         def hook(module, inputs, output):
-            key = (inputs[0].shape, module.out_channels, module.kernel_size, module.stride, module.nnz)
+            key = (inputs[0].shape, module.out_channels, module.kernel_size, module.stride, module.groups, module.nnz)
             if key not in seen:
                 seen.add(key)
                 found.append((name, module, inputs[0].shape))
@@ -186,7 +186,7 @@ def distinct_convolutions(model: nn.Module, x: torch.Tensor) -> list[tuple[str, 
 def layer_variants(layer: snack.SparseConv2d, shape: torch.Size) -> dict:
     """A training step of ``layer`` and of a dense ``nn.Conv2d`` of its geometry."""
     dense = nn.Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding,
-                      bias=layer.bias is not None, device=layer.values.device)  # fmt: skip
+                      layer.dilation, layer.groups, bias=layer.bias is not None, device=layer.values.device)  # fmt: skip
     x = torch.randn(shape, device=layer.values.device, requires_grad=True)
 
     def step(module):

@@ -215,9 +215,10 @@ def sparsify(
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
-    kw)`` kernels: a depthwise one, of few weights, gets a high density; exclude them to keep them
-    dense); 3-D and transposed convolutions (and subclasses of ``nn.Conv2d`` and ``nn.Conv1d``)
-    stay dense, with a warning.
+    kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
+    depthwise convolution is slower than a dense one (README, *A CIFAR MobileNetV2*): ``exclude``
+    them when sparsifying for speed. 3-D and transposed convolutions (and subclasses of
+    ``nn.Conv2d`` and ``nn.Conv1d``) stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
