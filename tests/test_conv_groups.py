@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import snack
@@ -43,6 +45,28 @@ def test_matches_grouped_dense_conv_forward_and_gradients(case, path):
     layer = _grouped(*case)
     assert layer.in_features == case[0] // case[2] * layer.kernel_size[0] * layer.kernel_size[1]
     _check_against_dense(layer, torch.randn(3, case[0], 9, 7, dtype=torch.float64), path)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    per_group=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # input and output channels of a group
+    groups=st.integers(1, 5),
+    kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 2)),
+    dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    padding=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    sparsity=st.sampled_from([0.0, 0.3, 0.8, 0.99]),
+    batch=st.integers(1, 18),  # past 16: sample groups of the folded layout
+    path=st.sampled_from(PATHS),
+    seed=st.integers(0, 2**16),
+)
+def test_random_grouped_geometries(per_group, groups, kernel, stride, dilation, padding, sparsity, batch, path, seed):
+    torch.manual_seed(seed)
+    (ci, co), (kh, kw), (dh, dw) = per_group, kernel, dilation
+    layer = snack.SparseConv2d(ci * groups, co * groups, kernel, stride, padding, dilation, groups, sparsity=sparsity,
+                               dtype=torch.float64)  # fmt: skip
+    height, width = max(dh * (kh - 1) + 1, 5), max(dw * (kw - 1) + 1, 4)
+    _check_against_dense(layer, torch.randn(batch, ci * groups, height, width, dtype=torch.float64), path)
 
 
 @pytest.mark.parametrize("path", PATHS)
