@@ -12,7 +12,7 @@ RigL run would start. Two tables, each variant's times interleaved sample by sam
 (:func:`snack.bench.timing.interleaved_medians`), as medians:
 
 1. the whole model: a training step (forward, backward, SGD with momentum) and a no-grad forward
-   in eval mode; then its memory: parameters, buffers and derived index arrays (a sparse layer's
+   in eval mode, and that forward at batch 1; then its memory: parameters, buffers and derived index arrays (a sparse layer's
    values and indices), and the tensors autograd keeps from the training forward for the backward
    (the activations);
 2. RigL on the 90% model: a training step that records for an update plus the update
@@ -216,7 +216,9 @@ def main() -> None:
     emit("| task | dense ms | " + " | ".join(f"snack {s} ms | dense/snack" for s in SPARSITIES) + " |")
     emit("|---|---|" + "---|---|" * len(SPARSITIES))
     built = models(device)
-    for task, fns in model_variants(built, x, y).items():
+    tasks = model_variants(built, x, y)
+    tasks["inference, batch 1"] = model_variants(built, x[:1], y[:1])["inference"]  # serving one image
+    for task, fns in tasks.items():
         ms = {name: s * 1e3 for name, s in interleaved_medians(fns, device, SAMPLES).items()}
         cells = [f"{ms[f'snack {s}']:.1f} | {ms['dense'] / ms[f'snack {s}']:.2f}" for s in SPARSITIES]
         emit(f"| {task} | {ms['dense']:.1f} | " + " | ".join(cells) + " |")

@@ -36,7 +36,9 @@ GEOMETRIES = [
     dict(kernel_size=3, stride=2, dilation=2, padding=2),  # every tap in phase (0, 0)
     dict(kernel_size=(3, 2), stride=(3, 2), dilation=(1, 3), padding=(0, 1)),
 ]
-PATHS = ["native", "reference"]  # the direct kernels; im2col through the reference ops
+# the CPU's own choice (the direct kernels, or im2col rows where they are faster); im2col through
+# the reference ops. "direct" forces the direct kernels (snack.use_backend("cpu")).
+PATHS = ["native", "reference"]
 
 
 def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
@@ -53,8 +55,8 @@ def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
 
 
 def _run(layer, x, path):
-    if path == "reference":
-        with snack.use_backend("reference"):
+    if path in ("reference", "direct"):
+        with snack.use_backend("cpu" if path == "direct" else path):
             return layer(x)
     return layer(x)
 
@@ -115,7 +117,7 @@ def test_rows_and_columns_of_many_connections(stride):
     # gradient): 16 output channels over 2 input channels at 95% density fill every pass size
     layer = snack.SparseConv2d(2, 16, 3, stride=stride, padding=1, sparsity=0.05, dtype=torch.float64)
     assert layer.nnz < 16 * 18  # not full: the native kernels run
-    _check_against_dense(layer, torch.randn(3, 2, 9, 10, dtype=torch.float64), "native")
+    _check_against_dense(layer, torch.randn(3, 2, 9, 10, dtype=torch.float64), "direct")
 
 
 # The kernels fold samples side by side on small images (fold_samples in conv_kernels.cpp: the
@@ -129,9 +131,9 @@ def test_rows_and_columns_of_many_connections(stride):
 def test_samples_folded_in_groups_or_one_by_one(geometry, batch, side):
     layer = snack.SparseConv2d(32, 32, sparsity=0.1, dtype=torch.float64, **geometry)
     x = torch.randn(batch, 32, side, side, dtype=torch.float64)
-    _check_against_dense(layer, x, "native")
+    _check_against_dense(layer, x, "direct")
     layer.values.requires_grad_(False)  # the bias gradient alone reads dy as it comes, unfolded
-    y = layer(x)
+    y = _run(layer, x, "direct")
     dy = torch.randn_like(y)
     (dbias,) = torch.autograd.grad(y, layer.bias, dy)
     torch.testing.assert_close(dbias, dy.sum((0, 2, 3)))
@@ -165,7 +167,7 @@ def test_gradients_of_whatever_requires_them(frozen, path):
 def test_sample_blocks_of_the_values_gradient():
     # 8x8 images: the values gradient sums blocks of 7 samples at once; 11 samples end in a partial one
     layer = snack.SparseConv2d(6, 10, 3, padding=1, sparsity=0.7, dtype=torch.float64)
-    _check_against_dense(layer, torch.randn(11, 6, 8, 8, dtype=torch.float64), "native")
+    _check_against_dense(layer, torch.randn(11, 6, 8, 8, dtype=torch.float64), "direct")
 
 
 def test_results_do_not_depend_on_the_thread_count():
@@ -234,6 +236,30 @@ def test_native_kernels_run_and_are_skipped_where_they_should(monkeypatch):
     assert full.nnz == 4 * 27
     torch.testing.assert_close(full(x), _dense_twin(full)(x))  # F.conv2d on the values
     assert calls == [1]
+
+
+def test_rows_or_direct_kernels_by_connections_per_row_element(monkeypatch):
+    # rows_are_faster: im2col rows where q = nnz / (N · H_out · W_out · C · kh · kw) is at least
+    # 0.25 for inference and 0.5 for training (benchmarks/conv_paths.txt); a forced backend's
+    # kernels run as they are
+    calls = []
+    original = snack.backends.cpu.conv.direct_conv2d
+    monkeypatch.setattr(snack.backends.cpu.conv, "direct_conv2d", lambda *args: calls.append(1) or original(*args))
+    layer = snack.SparseConv2d(32, 64, 3, stride=2, padding=1, sparsity=0.9, dtype=torch.float64)
+    q_of = {side: layer.nnz / ((side // 2) ** 2 * 32 * 9) for side in (4, 8, 16)}  # batch 1
+    assert q_of[4] >= 0.5 > q_of[8] >= 0.25 > q_of[16]
+    for side, direct_in_inference, direct_in_training in ((4, False, False), (8, False, True), (16, True, True)):
+        x = torch.randn(1, 32, side, side, dtype=torch.float64)
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), _dense_twin(layer)(x))
+        assert calls == [1] * direct_in_inference
+        calls.clear()
+        _check_against_dense(layer, x, "native")
+        assert calls == [1] * direct_in_training
+        calls.clear()
+        _check_against_dense(layer, x, "direct")
+        assert calls == [1]
 
 
 def test_full_layer_matches_dense_gradients():
@@ -484,11 +510,12 @@ def test_rigl_trains_a_small_cnn():
         _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, 8, 8, dtype=torch.float64), "native")
 
 
-def test_no_out_by_in_tensor_in_a_training_step():
+@pytest.mark.parametrize("path", ["native", "direct"])  # (native: im2col rows here, see test_rows_or_direct...)
+def test_no_out_by_in_tensor_in_a_training_step(path):
     with LargestTensorMode() as mode:
         layer = snack.SparseConv2d(64, 512, 3, padding=1, sparsity=0.95)
         x = torch.randn(1, 64, 6, 6, requires_grad=True)
-        layer(x).square().sum().backward()
+        _run(layer, x, path).square().sum().backward()
         torch.optim.Adam(layer.parameters()).step()
     assert layer.values.grad is not None and x.grad is not None
     out_by_in = 512 * 64 * 9

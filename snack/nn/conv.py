@@ -52,7 +52,9 @@ class SparseConv2d(SparseLinear):
 
     * on the CPU, float32 and float64, eagerly: a direct sparse convolution (native kernels,
       ``snack/backends/cpu/conv_kernels.cpp``): each connection multiplies one window of an input
-      plane into one output plane, and nothing is unfolded;
+      plane into one output plane, and nothing is unfolded; except where the output has few
+      positions for the connections (batch 1 on small images), where im2col rows are faster
+      (:func:`snack.backends.cpu.conv.rows_are_faster`);
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing, ``torch.func``
       transforms, a forced backend): im2col, the input's windows unfolded into
       ``(N · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The rows hold
@@ -288,16 +290,20 @@ class SparseConv2d(SparseLinear):
         # without it; other modes pad first
         zero_padding = self._padding_amounts() if self.padding_mode == "zeros" else (0, 0, 0, 0)
         geometry = direct.ConvGeometry(self._kernel2d, self._stride2d, self._dilation2d, zero_padding)
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
         if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
-            y = self._full_or_direct(x, values, bias, topology, geometry)
+            y = self._full_or_direct(x, values, bias, topology, geometry, training)
             if y is not None:
                 return y
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))):
+        if not training:
             return None  # inference: the composite path's rows live only for the call
         return self._rows_keeping_input(x, values, bias, topology, geometry)
 
-    def _full_or_direct(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
-        """``F.conv2d`` for a full topology, else the native kernels where they apply."""
+    def _full_or_direct(
+        self, x, values, bias, topology, geometry: direct.ConvGeometry, training: bool
+    ) -> Tensor | None:
+        """``F.conv2d`` for a full topology, else the native kernels where they apply and im2col
+        rows would not be faster (:func:`snack.backends.cpu.conv.rows_are_faster`)."""
         zeros = self.padding_mode == "zeros"
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, -1, *self._kernel2d)
@@ -306,6 +312,10 @@ class SparseConv2d(SparseLinear):
             return F.conv2d(x, weight, bias, self._stride2d, padding, self._dilation2d, self.groups)
         if not direct.applies(x, values):
             return None
+        if backends.forced_backend() is None:  # (a forced backend's kernels run as they are)
+            height, width = self._output_size(*x.shape[-2:], self._padding_amounts())
+            if direct.rows_are_faster(topology.nnz, x.shape[0] * height * width, self._rows_width, training):
+                return None
         unfolded = self._unfolded(topology)
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:

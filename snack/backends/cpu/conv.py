@@ -19,9 +19,23 @@ from torch import Tensor
 from snack import backends
 from snack.topology import Topology
 
-__all__ = ["ConvGeometry", "applies", "direct_conv2d", "gradients_by_recomputing"]
+__all__ = ["ConvGeometry", "applies", "direct_conv2d", "gradients_by_recomputing", "rows_are_faster"]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
+
+# From how many connections per element of the im2col rows (``q = nnz / (rows · C · kh · kw)``)
+# those rows through SparseLinear's CPU kernels beat the direct kernels, for inference and for a
+# training step. Few output positions (batch 1 on a CNN's last, small planes) and many connections:
+# the direct kernels pay per connection per sample (a short run, a pass's setup), where the rows'
+# SpMM walks each connection once over all rows, and the rows are small. ``benchmarks/conv_paths.py``
+# timed both on 108 layer shapes (every distinct convolution of 90-98% ERK CIFAR ResNet-18s and a
+# 95% MobileNetV2 at batch 1 to 32; 2026-12-02, AMD Zen 4, 2 threads): from q = 0.25 the rows'
+# inference was 0.90-10.9x as fast as the kernels' (faster in 28 of 29), below it 0.03-2.6x (slower
+# in 71 of 79); from q = 0.5 their training step was 1.03-6.5x as fast (18 of 18), below it
+# 0.03-1.4x (slower in 83 of 90). Large planes and depthwise layers (few connections for many row
+# elements) stay direct.
+ROWS_FOR_INFERENCE_FROM = 0.25
+ROWS_FOR_TRAINING_FROM = 0.5
 
 
 class ConvGeometry(NamedTuple):
@@ -43,6 +57,14 @@ def applies(x: Tensor, values: Tensor) -> bool:
         return backends.resolve(x.device) is backends.get_backend("cpu")
     except backends.BackendUnavailableError:  # a native build that failed: the im2col path runs
         return False
+
+
+def rows_are_faster(nnz: int, rows: int, row_width: int, training: bool) -> bool:
+    """Whether im2col rows ``(rows, row_width)`` through SparseLinear's kernels beat the direct
+    kernels for a convolution of ``nnz`` connections (see ``ROWS_FOR_INFERENCE_FROM``); never for
+    no rows (an empty batch)."""
+    threshold = ROWS_FOR_TRAINING_FROM if training else ROWS_FOR_INFERENCE_FROM
+    return rows > 0 and nnz >= threshold * rows * row_width
 
 
 def direct_conv2d(
