@@ -108,3 +108,12 @@ def test_per_sample_gradients_example():
     x, y = namespace["x"], namespace["y"]
     nn.functional.cross_entropy(model(x[:1]), y[:1]).backward()  # the first sample's own gradient
     torch.testing.assert_close(per_sample["0.values"][0], model[0].values.grad)
+
+
+def test_sparsify_leaving_depthwise_convolutions_dense():
+    block = nn.Sequential(nn.Conv2d(8, 32, 1), nn.Conv2d(32, 32, 3, padding=1, groups=32), nn.Conv2d(32, 8, 1))
+    namespace = {"torch": torch, "snack": snack, "model": block}
+    exec(_block("depthwise = "), namespace)
+    model = namespace["model"]
+    assert namespace["depthwise"] == ["1"]
+    assert [type(m) for m in model] == [snack.SparseConv2d, nn.Conv2d, snack.SparseConv2d]
