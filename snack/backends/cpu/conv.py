@@ -78,16 +78,23 @@ def direct_conv2d(
 
     ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
     itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))):
+        # nothing to differentiate: the kernel alone (the autograd.Function's call cost 10-15 µs,
+        # a third of a small layer's batch-1 forward)
+        return _forward(x, values, bias, topology, geometry)
     return _DirectConv2d.apply(x, values, bias, topology, geometry, recompute)
+
+
+def _forward(x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, g: ConvGeometry) -> Tensor:
+    return torch.ops.snack_cpu.conv2d_forward(
+        x, values, topology.rowptr, topology.col, bias, g.kernel, g.stride, g.dilation, g.zero_padding
+    )
 
 
 class _DirectConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, values, bias, topology, geometry, recompute):
-        g = geometry
-        y = torch.ops.snack_cpu.conv2d_forward(
-            x, values, topology.rowptr, topology.col, bias, g.kernel, g.stride, g.dilation, g.zero_padding
-        )
+        y = _forward(x, values, bias, topology, geometry)
         # values saved too: autograd's version check then refuses a backward after values changed
         # (a rewire, an in-place clamp), as the layer's other paths do
         ctx.save_for_backward(x, values, bias)
