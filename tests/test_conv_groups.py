@@ -19,7 +19,7 @@ import snack
 from snack.dst.capture import GradientCapture
 from snack.dst.prune_grow import gradient_grow, linear_index
 from tests.test_conv import PATHS, _check_against_dense, _dense_twin, _gradcheck_and_gradgradcheck, _run
-from tests.test_nn import compiled_graphs_through_set_updates
+from tests.test_nn import _serve_while, compiled_graphs_through_set_updates
 from tests.test_truly_sparse import LargestTensorMode
 
 # (in_channels, out_channels, groups, geometry)
@@ -288,3 +288,23 @@ def test_compiled_code_finds_the_kernels_topology_of_every_rewire():
     x = torch.randn(2, 4, 6, 6)
     model(x)  # the first call builds the index data
     assert compiled_graphs_through_set_updates(model, x) == 1
+
+
+@pytest.mark.parametrize("side", [6, 2], ids=["direct kernels", "im2col rows"])
+def test_a_forward_in_another_thread_sees_one_whole_state_while_the_layer_is_rewired(side):
+    # the kernels' topology (columns moved to their groups' blocks) is built from the snapshot a
+    # forward takes, never from a rewire made meanwhile
+    torch.manual_seed(0)
+    layer = snack.SparseConv2d(8, 8, 3, padding=1, groups=2, sparsity=0.7)
+    states = []
+    for _ in range(3):
+        other = snack.SparseConv2d(8, 8, 3, padding=1, groups=2, sparsity=0.7)
+        states.append((other.row, other.col, torch.randn(layer.nnz)))
+    x, expected = torch.randn(2 if side == 6 else 1, 8, side, side), []
+    rows = x.shape[0] * side * side
+    assert snack.backends.cpu.conv.rows_are_faster(layer.nnz, rows, 8 * 9, training=False) == (side == 2)
+    for state in states:
+        layer.set_topology(*state)
+        with torch.no_grad():
+            expected.append(layer(x))
+    assert _serve_while(lambda i: layer.set_topology(*states[i % 3]), layer, x, expected, forwards=1500) == 0
