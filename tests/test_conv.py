@@ -569,3 +569,19 @@ def test_per_sample_gradients_by_torch_func():
     per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
     for i in range(4):
         torch.testing.assert_close(per_sample["values"][i], torch.func.grad(loss)(params, x[i])["values"])
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "transposed"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_inputs_of_any_memory_layout(layout, groups, path):
+    # channels_last models, and views of other tensors: the kernels take a contiguous copy
+    layer = snack.SparseConv2d(4, 6, 3, padding=1, groups=groups, sparsity=0.5, dtype=torch.float64)
+    if layout == "channels_last":
+        x = torch.randn(2, 4, 7, 9, dtype=torch.float64).to(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        x = torch.randn(2, 8, 7, 9, dtype=torch.float64)[:, ::2]
+    else:
+        x = torch.randn(2, 4, 9, 7, dtype=torch.float64).transpose(2, 3)
+    assert not x.is_contiguous()
+    _check_against_dense(layer, x, path)
