@@ -217,15 +217,21 @@ def _gradcheck_and_gradgradcheck(layer: snack.SparseConv2d, x: torch.Tensor, pat
     assert torch.autograd.gradgradcheck(conv, inputs)
 
 
-def test_native_kernels_run_and_are_skipped_where_they_should(monkeypatch):
+def _direct_calls(monkeypatch) -> list[int]:
+    """A list that gains a 1 at each call of the direct kernels (``direct_conv2d``)."""
     calls = []
     original = snack.backends.cpu.conv.direct_conv2d
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(snack.backends.cpu.conv, "direct_conv2d", spy)
+    return calls
+
+
+def test_native_kernels_run_and_are_skipped_where_they_should(monkeypatch):
+    calls = _direct_calls(monkeypatch)
     layer = snack.SparseConv2d(3, 4, 3, sparsity=0.5)
     x = torch.randn(2, 3, 6, 6)
     layer(x)
@@ -242,9 +248,7 @@ def test_rows_or_direct_kernels_by_connections_per_row_element(monkeypatch):
     # rows_are_faster: im2col rows where q = nnz / (N · H_out · W_out · C · kh · kw) is at least
     # 0.25 for inference and 0.5 for training (benchmarks/conv_paths.txt); a forced backend's
     # kernels run as they are
-    calls = []
-    original = snack.backends.cpu.conv.direct_conv2d
-    monkeypatch.setattr(snack.backends.cpu.conv, "direct_conv2d", lambda *args: calls.append(1) or original(*args))
+    calls = _direct_calls(monkeypatch)
     layer = snack.SparseConv2d(32, 64, 3, stride=2, padding=1, sparsity=0.9, dtype=torch.float64)
     q_of = {side: layer.nnz / ((side // 2) ** 2 * 32 * 9) for side in (4, 8, 16)}  # batch 1
     assert q_of[4] >= 0.5 > q_of[8] >= 0.25 > q_of[16]
@@ -323,7 +327,7 @@ def test_bad_arguments_raise_clear_errors():
         layer(torch.randn(1, 3, 2, 8))
     with pytest.raises(TypeError, match="input dtype torch.float64 does not match the layer's torch.float32"):
         layer(torch.randn(1, 3, 5, 5, dtype=torch.float64))
-    with pytest.raises(AttributeError, match=r"to_dense\(\)` builds the \(out_channels, in_channels / groups, kh, kw\)"):
+    with pytest.raises(AttributeError, match=r"builds the \(out_channels, in_channels / groups, kh, kw\)"):
         layer.weight
 
 

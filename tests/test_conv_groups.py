@@ -18,7 +18,9 @@ from torch import nn
 import snack
 from snack.dst.capture import GradientCapture
 from snack.dst.prune_grow import gradient_grow, linear_index
-from tests.test_conv import PATHS, _check_against_dense, _dense_twin, _gradcheck_and_gradgradcheck, _run
+from tests.test_conv import (
+    PATHS, _check_against_dense, _dense_twin, _direct_calls, _gradcheck_and_gradgradcheck, _run,
+)
 from tests.test_nn import _serve_while, compiled_graphs_through_set_updates
 from tests.test_truly_sparse import LargestTensorMode
 
@@ -87,9 +89,7 @@ def test_batch_one_unbatched_empty_groups_and_no_connections(path):
 
 
 def test_full_grouped_layer_runs_dense_math(monkeypatch):
-    calls = []
-    original = snack.backends.cpu.conv.direct_conv2d
-    monkeypatch.setattr(snack.backends.cpu.conv, "direct_conv2d", lambda *args: calls.append(1) or original(*args))
+    calls = _direct_calls(monkeypatch)
     full = _grouped(4, 6, 2, dict(kernel_size=3, padding=1), sparsity=0.0)
     assert full.nnz == 6 * 2 * 9
     _check_against_dense(full, torch.randn(2, 4, 6, 5, dtype=torch.float64), "native")

@@ -323,7 +323,7 @@ class SparseConv2d(SparseLinear):
             return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, unfolded, bias))
 
         x = x if zeros else self._padded(x)
-        return direct.direct_conv2d(x.contiguous(), values, bias, unfolded, geometry, recompute)
+        return direct.direct_conv2d(x.contiguous(), values, bias, unfolded, geometry, recompute, training=training)
 
     def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
         """im2col as one autograd node that keeps ``x`` for the backward, not its rows

@@ -249,8 +249,8 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
             return sparse_convolution.from_dense(dense, sparsity=sparsity)
         return sparse_convolution(
             dense.in_channels, dense.out_channels, dense.kernel_size, dense.stride, dense.padding, dense.dilation,
-            dense.groups, bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity, device=weight.device,
-            dtype=weight.dtype,
+            dense.groups, bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity,
+            device=weight.device, dtype=weight.dtype,
         )
     if init == "magnitude":
         return SparseLinear.from_dense(weight, sparsity=sparsity, bias=bias)

@@ -69,7 +69,7 @@ def rows_are_faster(nnz: int, rows: int, row_width: int, training: bool) -> bool
 
 def direct_conv2d(
     x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
-    recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor], *, training: bool,
 ) -> Tensor:
     """``y (N, out, Ho, Wo)`` of contiguous ``x (N, C, H, W)``, zero padded by
     ``geometry.zero_padding``; see the module docstring. The kernels pad, not the caller: the
@@ -77,10 +77,12 @@ def direct_conv2d(
     convolutions keep) and returns the input gradient without the padding, in one pass.
 
     ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
-    itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))):
-        # nothing to differentiate: the kernel alone (the autograd.Function's call cost 10-15 µs,
-        # a third of a small layer's batch-1 forward)
+    itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own.
+
+    ``training``: whether autograd records this call (grad mode on and an input requiring a
+    gradient, as the caller found); without it the kernel runs alone (the autograd.Function's
+    call cost 10-15 µs, a third of a small layer's batch-1 forward)."""
+    if not training:
         return _forward(x, values, bias, topology, geometry)
     return _DirectConv2d.apply(x, values, bias, topology, geometry, recompute)
 
