@@ -8,7 +8,9 @@ has its whole gradient formed at once).
 
 from snack import dst, ops
 from snack.backends import available_backends, use_backend
-from snack.nn import SparseConv1d, SparseConv2d, SparseLinear, densify, sparsify
+from snack.nn import (
+    SparseConv1d, SparseConv2d, SparseConvTranspose1d, SparseConvTranspose2d, SparseLinear, densify, sparsify,
+)
 from snack.topology import Topology
 
 __version__ = "0.1.0"
@@ -16,6 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "SparseConv1d",
     "SparseConv2d",
+    "SparseConvTranspose1d",
+    "SparseConvTranspose2d",
     "SparseLinear",
     "Topology",
     "available_backends",

@@ -407,8 +407,9 @@ def test_sparsify_warns_about_convolutions_it_leaves_dense():
     with pytest.warns(UserWarning) as caught:
         model = snack.sparsify(net, 0.5)
     [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
-    assert message.startswith("sparsify left 3 convolution(s) dense: 3 (Conv2dSubclass), 4 (ConvTranspose2d), "
-                              "6 (Conv3d). snack has 1-D and 2-D convolutions only")  # fmt: skip
+    assert message.startswith("sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (Conv3d). snack has 1-D "
+                              "and 2-D convolutions and transposed convolutions only")  # fmt: skip
+    assert isinstance(model[4], snack.SparseConvTranspose2d)
     assert isinstance(model[2], snack.SparseConv2d) and isinstance(model[0], snack.SparseConv1d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

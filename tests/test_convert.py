@@ -53,8 +53,8 @@ def test_sparsify_warns_when_it_likely_missed_what_was_meant():
     assert len(messages) == 2
     assert all(w.filename == __file__ for w in caught)  # they point at the call
     assert messages[0].startswith("sparsify: include pattern 'fc*' matches no module name (names look like '0', ")
-    assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear, nn.Conv2d or nn.Conv1d "
-                                  "selected by include/")
+    assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear or 1-D or 2-D "
+                                  "(transposed) convolution selected by include/")
     with pytest.warns(UserWarning, match="exclude pattern '33' matches no module name"):
         snack.sparsify(model, sparsity=0.5, exclude="33")
     with pytest.warns(UserWarning, match="its 3 SparseLinear layer\\(s\\) keep their sparsity"):

@@ -140,6 +140,8 @@ def test_dense_plus_mask_computes_what_the_sparse_cnn_does():
     sparse = sparse_cnn(12, 16, 0.9, "uniform", "cpu").double()
     masked = dense_plus_mask(sparse)
     assert [type(m) for m in masked if isinstance(m, (MaskedConv2d, torch.nn.Conv2d))] == [MaskedConv2d] * 2
+    with pytest.raises(TypeError, match="transposed convolutions have no masked twin"):
+        dense_plus_mask(torch.nn.Sequential(snack.SparseConvTranspose2d(2, 2, 3)))
     conv = masked[4]
     assert int(conv.mask.sum()) == sparse[4].nnz and conv.mask.shape == (64, 32, 3, 3)
     x = torch.randn(5, 144, dtype=torch.float64, requires_grad=True)

@@ -42,7 +42,7 @@ from snack.dst.checks import check_int
 from snack.dst.layers import find_layers, listed
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import DropSchedule, cubic_sparsity
-from snack.nn import SparseConv2d, SparseLinear
+from snack.nn import SparseConv2d, SparseConvTranspose2d, SparseLinear
 from snack.topology import check_sparsity
 
 __all__ = ["RigL", "SET", "DropGrow", "GradualPruning"]
@@ -76,7 +76,8 @@ class DropGrow(DynamicSparsity):
 
             def grow(self, layer, k):
                 x, dy = self.recorded_batch(layer)
-                conv = layer if isinstance(layer, snack.SparseConv2d) else None  # its kernel, groups
+                convolutions = (snack.SparseConv2d, snack.SparseConvTranspose2d)
+                conv = layer if isinstance(layer, convolutions) else None  # its kernel, groups
                 return snack.dst.gradient_grow(x, dy, layer.topology, k, convolution=conv)
 
     A subclass's own constructor arguments are not compared across ranks, nor saved in
@@ -273,7 +274,8 @@ class RigL(DropGrow):
 
     def grow(self, layer, k):
         x, dy = self.recorded_as_kept(layer)  # a convolution's padded input, not its im2col rows
-        return gradient_grow(x, dy, layer.topology, k, convolution=layer if isinstance(layer, SparseConv2d) else None)
+        convolution = layer if isinstance(layer, (SparseConv2d, SparseConvTranspose2d)) else None
+        return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
 
 
 class GradualPruning(DynamicSparsity):

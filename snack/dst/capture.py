@@ -87,14 +87,15 @@ class GradientCapture:
         """``(X, dY (N, out))`` of every recorded call that reached backward, else ``None``; ``X``
         as the layer keeps it, or its rows ``(N, in)`` where calls' records differ in shape (a
         convolution run on two image sizes)."""
-        done = [(x, dy) for x, dy in self._records[index] if dy is not None]
+        layer = self.layers[index]
+        done = [layer._operands_of_records(x, dy) for x, dy in self._records[index] if dy is not None]
         if not done:
             return None
         if len(done) == 1:  # the usual case: no copy
             return done[0]
         xs = [x for x, _ in done]
         if any(x.shape[1:] != xs[0].shape[1:] for x in xs):
-            xs = [self.layers[index]._rows_of_record(x) for x in xs]
+            xs = [layer._rows_of_record(x) for x in xs]
         return torch.cat(xs), torch.cat([dy for _, dy in done])
 
     def record(self, index: int, x: Tensor, output: Tensor) -> None:
@@ -119,7 +120,7 @@ class GradientCapture:
         # A layer given (*, in) returns a view of its (N, out) result (a convolution's im2col path
         # too). An in-place op on that view (ReLU(inplace=True)) replaces the view's autograd
         # history, and a hook on the view would never fire; one on the (N, out) result still sees dY.
-        to_rows = layer._rows_of_output
+        to_rows = layer._record_of_output_gradient
         base = output._base
         if base is not None and base.shape == (output.numel() // layer.out_features, layer.out_features):
             output, to_rows = base, lambda grad: grad.reshape(-1, layer.out_features)

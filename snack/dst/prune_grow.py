@@ -18,7 +18,7 @@ from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 if TYPE_CHECKING:
-    from snack.nn import SparseConv2d
+    from snack.nn import SparseConv2d, SparseConvTranspose2d
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
@@ -79,7 +79,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 @torch.no_grad()
 def gradient_grow(
     x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS,
-    convolution: SparseConv2d | None = None,
+    convolution: SparseConv2d | SparseConvTranspose2d | None = None,
 ) -> Tensor:
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
@@ -102,7 +102,11 @@ def gradient_grow(
     (``convolution=``): each block is the weight gradient of a block of output channels, by
     torch's convolution backward, never the rows (``kh·kw`` times the input's size). A grouped
     convolution's output channels are scored against their group's input channels only, from
-    its padded input or its rows (``in_channels · kh · kw`` wide, all groups).
+    its padded input or its rows (``in_channels · kh · kw`` wide, all groups). A transposed
+    convolution (:class:`snack.SparseConvTranspose2d`) is the adjoint of a convolution with its
+    weight, whose weight gradient it shares with the roles swapped: ``x`` is its padded output
+    gradient (or that one's rows) and ``dy`` its input's rows (``(N · H · W, in_channels)``), as
+    the recorded batches hold them.
 
     Args:
         x: ``(B, in)`` layer inputs of the batch; with ``convolution``, its padded input ``(N, C,
@@ -114,8 +118,8 @@ def gradient_grow(
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
         block_elements: how many scores one block may hold (a block has at least one row).
-        convolution: the :class:`snack.SparseConv2d` whose padded input or rows ``x`` are (its
-            kernel size, stride, dilation and groups).
+        convolution: the :class:`snack.SparseConv2d` (or :class:`snack.SparseConvTranspose2d`)
+            whose padded input or rows ``x`` are (its kernel size, stride, dilation and groups).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -132,8 +136,8 @@ def gradient_grow(
         )
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    if x.dim() == 4 and x.shape[1] != convolution.in_channels:
-        raise ValueError(f"gradient_grow: x must have {convolution.in_channels} channels, got {tuple(x.shape)}")
+    if x.dim() == 4 and x.shape[1] != convolution._window_channels:
+        raise ValueError(f"gradient_grow: x must have {convolution._window_channels} channels, got {tuple(x.shape)}")
     groups = 1 if convolution is None else convolution.groups
     if x.dim() == 2:
         scores = _GradientScores(x, dy, topology, groups)
@@ -237,7 +241,7 @@ class _ConvolutionScores(_GradientScores):
     backward (oneDNN on the CPU), ``(rows, C / groups, kh, kw)``, the rows' order of
     ``in_features``."""
 
-    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, convolution: SparseConv2d):
+    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, convolution: SparseConv2d | SparseConvTranspose2d):
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x = x.to(self.dtype)
         self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)

@@ -1,9 +1,12 @@
 """Sparse layers: :class:`SparseLinear`, a truly sparse drop-in for ``nn.Linear``,
-:class:`SparseConv2d` for ``nn.Conv2d``, :class:`SparseConv1d` for ``nn.Conv1d``, and
+:class:`SparseConv2d` for ``nn.Conv2d``, :class:`SparseConv1d` for ``nn.Conv1d``,
+:class:`SparseConvTranspose2d` and :class:`SparseConvTranspose1d` for ``nn.ConvTranspose2d`` and
+``nn.ConvTranspose1d``, and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
-``layer`` holds the linear layer, ``conv`` the convolution (``conv_rows`` its im2col training node,
-``conv1d`` the 1-D one built on it), ``convert`` the model conversion,
+``layer`` holds the linear layer, ``conv`` the convolution (``conv_base`` what it shares with
+``conv_transpose``, the transposed one; ``conv_rows`` its im2col training node, ``conv1d`` and
+``conv_transpose1d`` the 1-D ones built on them), ``convert`` the model conversion,
 ``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and ``torch.export`` call for a
 layer, ``locking`` the lock that keeps rewires atomic for forwards in other threads.
 """
@@ -11,16 +14,22 @@ layer, ``locking`` the lock that keeps rewires atomic for forwards in other thre
 from snack.nn import tracing
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
+from snack.nn.conv_transpose import SparseConvTranspose2d
+from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.convert import densify, sparsify
 from snack.nn.layer import SparseLinear
 
-__all__ = ["SparseConv1d", "SparseConv2d", "SparseLinear", "densify", "sparsify"]
+__all__ = [
+    "SparseConv1d", "SparseConv2d", "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseLinear", "densify", "sparsify"
+]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
 # (loadable by either version, and by any later move within the package).
 SparseLinear.__module__ = __name__
 SparseConv2d.__module__ = __name__
 SparseConv1d.__module__ = __name__
+SparseConvTranspose2d.__module__ = __name__
+SparseConvTranspose1d.__module__ = __name__
 
 # Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls
 # by their module and name (the old ones from here).

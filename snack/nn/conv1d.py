@@ -7,7 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from snack.nn import tracing
-from snack.nn.conv import SparseConv2d, _no_tracer_warnings
+from snack.nn.conv import SparseConv2d
+from snack.nn.conv_base import _no_tracer_warnings
 
 __all__ = ["SparseConv1d"]
 

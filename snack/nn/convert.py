@@ -1,5 +1,5 @@
-"""``sparsify`` and ``densify``: turn a model's ``nn.Linear``, ``nn.Conv2d`` and ``nn.Conv1d``
-layers into :class:`SparseLinear`, :class:`SparseConv2d` and :class:`SparseConv1d`, and back."""
+"""``sparsify`` and ``densify``: turn a model's ``nn.Linear`` and convolution
+layers into :class:`SparseLinear` and the sparse convolutions, and back."""
 
 from __future__ import annotations
 
@@ -15,13 +15,19 @@ from torch import Tensor, nn
 from snack.distributions import layer_sparsities
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
+from snack.nn.conv_base import _SparseConvNd
+from snack.nn.conv_transpose import SparseConvTranspose2d
+from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 
 __all__ = ["densify", "sparsify"]
 
 
 # the convolutions sparsify converts (the classes themselves), and into what
-SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[SparseConv2d]] = {nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d}
+SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[_SparseConvNd]] = {
+    nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d,
+    nn.ConvTranspose2d: SparseConvTranspose2d, nn.ConvTranspose1d: SparseConvTranspose1d,
+}
 
 
 def _conv1d_class():
@@ -116,7 +122,7 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
-    other_convolutions: list[str]  # 3-D, transposed convolutions (and subclasses of nn.Conv2d, nn.Conv1d)
+    other_convolutions: list[str]  # 3-D convolutions (and subclasses of the converted ones)
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -153,9 +159,8 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
-            "has 1-D and 2-D convolutions only (nn.Conv1d and nn.Conv2d themselves), not 3-D or transposed "
-            "ones; exclude them "
-            "to silence this warning.",
+            "has 1-D and 2-D convolutions and transposed convolutions only (nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d "
+            "and nn.ConvTranspose2d themselves), not 3-D ones; exclude them to silence this warning.",
             stacklevel=3,
         )
     if subclassed:
@@ -190,8 +195,9 @@ def sparsify(
     init: str = "magnitude",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, and its ``nn.Conv2d`` and ``nn.Conv1d`` layers with :class:`SparseConv2d`
-    and :class:`SparseConv1d`, in place.
+    :class:`SparseLinear`, and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.ConvTranspose2d`` and
+    ``nn.ConvTranspose1d`` layers with :class:`SparseConv2d`, :class:`SparseConv1d`,
+    :class:`SparseConvTranspose2d` and :class:`SparseConvTranspose1d`, in place.
 
     Args:
         sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
@@ -217,8 +223,8 @@ def sparsify(
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
     kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
     depthwise convolution is slower than a dense one (README, *A CIFAR MobileNetV2*): ``exclude``
-    them when sparsifying for speed. 3-D and transposed convolutions (and subclasses of
-    ``nn.Conv2d`` and ``nn.Conv1d``) stay dense, with a warning.
+    them when sparsifying for speed. 3-D convolutions (and subclasses of the converted
+    convolutions) stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
@@ -247,11 +253,7 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
     if sparse_convolution is not None:
         if init == "magnitude":
             return sparse_convolution.from_dense(dense, sparsity=sparsity)
-        return sparse_convolution(
-            dense.in_channels, dense.out_channels, dense.kernel_size, dense.stride, dense.padding, dense.dilation,
-            dense.groups, bias=bias is not None, padding_mode=dense.padding_mode, sparsity=sparsity,
-            device=weight.device, dtype=weight.dtype,
-        )
+        return sparse_convolution._random_like(dense, sparsity)
     if init == "magnitude":
         return SparseLinear.from_dense(weight, sparsity=sparsity, bias=bias)
     out_features, in_features = weight.shape
@@ -283,7 +285,7 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         warnings.warn(
-            f"sparsify converted no layer: the model holds no nn.Linear, nn.Conv2d or nn.Conv1d{selected} that it may "
+            f"sparsify converted no layer: the model holds no nn.Linear or 1-D or 2-D (transposed) convolution{selected} that it may "
             f"convert{already}",
             stacklevel=3,
         )
@@ -305,7 +307,8 @@ def _warn_about_what_sparsify_missed(
 
 def densify(module: nn.Module) -> nn.Module:
     """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
-    every :class:`SparseConv2d` and :class:`SparseConv1d` with an ``nn.Conv2d`` and ``nn.Conv1d``),
+    every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.ConvTranspose2d`` or
+    ``nn.ConvTranspose1d``),
     in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
@@ -326,11 +329,7 @@ def densify(module: nn.Module) -> nn.Module:
 
 def _dense_twin(layer: SparseLinear) -> dict:
     """``nn.utils.skip_init``'s arguments for the dense layer ``densify`` makes of ``layer``."""
-    if isinstance(layer, SparseConv2d):  # SparseConv1d too
-        return dict(
-            module_cls=layer._dense_class, in_channels=layer.in_channels, out_channels=layer.out_channels,
-            kernel_size=layer.kernel_size, stride=layer.stride, padding=layer.padding, dilation=layer.dilation,
-            groups=layer.groups, bias=layer.bias is not None, padding_mode=layer.padding_mode,
-        )
+    if isinstance(layer, _SparseConvNd):
+        return dict(module_cls=layer._dense_class, **layer._dense_arguments())
     return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
                 bias=layer.bias is not None)  # fmt: skip

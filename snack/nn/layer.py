@@ -367,16 +367,25 @@ class SparseLinear(nn.Module):
     def _product(self, input: Tensor) -> Tensor:
         """``input (*, width)`` times the weight, plus the bias: the forward of an input of the
         width :meth:`_kernel_topology` takes (checked by the caller)."""
+        x, cast_values, bias, values, topology = self._checked_operands(input)
+        return _sparse_linear(x, cast_values, self._kernel_topology(topology), bias, values)
+
+    def _checked_operands(self, input: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Topology]:
+        """``(x, cast values, bias, values, topology)`` for a forward of ``input``: one consistent
+        state of the layer (:meth:`_consistent_state`), ``x``, ``values`` and ``bias`` as
+        ``torch.autocast`` casts them (:func:`autocast_inputs`); raises where the input's device or
+        dtype, or the parameters' shapes, do not fit."""
         values, bias, topology = self._consistent_state()
         if input.device != values.device:
-            raise ValueError(f"SparseLinear: input is on {input.device} but the layer is on {values.device}")
+            raise ValueError(f"{type(self).__name__}: input is on {input.device} but the layer is on {values.device}")
         if torch._C._get_tracing_state() is None and (  # torch.jit.trace sees nnz as a tensor: a TracerWarning
-            values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,))
+            values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self._bias_features,))
         ):
             # parameters put in by assignment or torch.func.functional_call: the kernels trust shapes
             raise ValueError(
-                f"SparseLinear: values must have shape ({topology.nnz},) (one per connection) and bias "
-                f"({self.out_features},), got {tuple(values.shape)} and {None if bias is None else tuple(bias.shape)}"
+                f"{type(self).__name__}: values must have shape ({topology.nnz},) (one per connection) and bias "
+                f"({self._bias_features},), got {tuple(values.shape)} and "
+                f"{None if bias is None else tuple(bias.shape)}"
             )
         x, cast_values, bias = autocast_inputs(input, values, bias)
         if x.dtype != cast_values.dtype:
@@ -384,10 +393,15 @@ class SparseLinear(nn.Module):
             # a layer of integer (or complex) values is nothing the kernels compute: suggest none
             or_the_layer = f" or the layer (layer.to({x.dtype}))" if x.dtype.is_floating_point else ""
             raise TypeError(
-                f"SparseLinear: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
+                f"{type(self).__name__}: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
                 f"the input (x.to({cast_values.dtype})){or_the_layer}"
             )
-        return _sparse_linear(x, cast_values, self._kernel_topology(topology), bias, values)
+        return x, cast_values, bias, values, topology
+
+    @property
+    def _bias_features(self) -> int:
+        """Length of the bias: ``out_features`` (a transposed convolution's: its output channels)."""
+        return self.out_features
 
     @property
     def _rows_width(self) -> int:
@@ -409,7 +423,7 @@ class SparseLinear(nn.Module):
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             return bool(input.shape[-1] != self.in_features)
 
-    def _fx_forward(self, input):
+    def _fx_forward(self, input, *args):
         """The forward ``torch.fx.symbolic_trace`` records: one call of this layer's ``forward``,
         which the program reaches through the layer itself (a ``get_attr`` node), so it computes
         with the layer's connections of the moment, after rewires too. (The tracer has run the
@@ -424,8 +438,8 @@ class SparseLinear(nn.Module):
         except NameError:
             path = None
         if path:
-            return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input)
-        return self._fx_root_forward(input)
+            return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input, *args)
+        return self._fx_root_forward(input, *args)
 
     def _fx_root_forward(self, input):
         """What ``torch.fx.symbolic_trace`` records for a layer it cannot reach by a path (the root):
@@ -449,6 +463,16 @@ class SparseLinear(nn.Module):
         """An output (or its gradient) ``(*, out_features)`` → ``(N, out_features)``, row for row
         with :meth:`_rows_of_record`."""
         return y.reshape(-1, self.out_features)
+
+    def _record_of_output_gradient(self, dy: Tensor) -> Tensor:
+        """What RigL keeps of an output's gradient: its rows (:meth:`_rows_of_output`)."""
+        return self._rows_of_output(dy)
+
+    def _operands_of_records(self, input_record: Tensor, gradient_record: Tensor) -> tuple[Tensor, Tensor]:
+        """``(X, dY)`` as :func:`snack.dst.gradient_grow` scores them, of one call's records
+        (:meth:`_record_of_input`, :meth:`_record_of_output_gradient`): here the records themselves
+        (a transposed convolution's swap roles)."""
+        return input_record, gradient_record
 
     def _consistent_state(self) -> tuple[Tensor, Tensor | None, Topology]:
         """``(values, bias, topology)`` of one complete state of the layer, for a forward.
@@ -565,7 +589,7 @@ class SparseLinear(nn.Module):
         _check_values(values, row)
         copies = [("values", values, self.values)]
         if self.bias is not None and bias_key in state_dict:
-            _check_bias(state_dict[bias_key], self.out_features)
+            _check_bias(state_dict[bias_key], self._bias_features)
             copies.append(("bias", state_dict[bias_key], self.bias))
         for name, source, target in copies:
             try:

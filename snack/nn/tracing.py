@@ -35,10 +35,11 @@ def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topolog
     return Topology.with_index_data(row, col, shape, *torch.ops.snack.topology_index_data(row, col, *shape))
 
 
-def fx_layer_forward(layer: SparseLinear, x: Tensor) -> Tensor:
-    """``layer.forward(x)``: what a program made by ``torch.fx.symbolic_trace`` calls for a layer
-    its root holds (see :meth:`SparseLinear._fx_forward`)."""
-    return layer.forward(x)
+def fx_layer_forward(layer: SparseLinear, x: Tensor, *args) -> Tensor:
+    """``layer.forward(x, *args)``: what a program made by ``torch.fx.symbolic_trace`` calls for a
+    layer its root holds (see :meth:`SparseLinear._fx_forward`; ``args``: a transposed
+    convolution's ``output_size``)."""
+    return layer.forward(x, *args)
 
 
 # symbolic_trace records calls to these instead of tracing into them

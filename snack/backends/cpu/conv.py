@@ -19,7 +19,9 @@ from torch import Tensor
 from snack import backends
 from snack.topology import Topology
 
-__all__ = ["ConvGeometry", "applies", "direct_conv2d", "gradients_by_recomputing", "rows_are_faster"]
+__all__ = [
+    "ConvGeometry", "applies", "direct_conv2d", "direct_conv_transpose2d", "gradients_by_recomputing", "rows_are_faster"
+]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
 
@@ -36,6 +38,15 @@ KERNEL_DTYPES = (torch.float32, torch.float64)
 # elements) stay direct.
 ROWS_FOR_INFERENCE_FROM = 0.25
 ROWS_FOR_TRAINING_FROM = 0.5
+# The same for a transposed convolution (SparseConvTranspose2d: rows ``N · H · W`` of its input,
+# ``row_width = out · kh · kw``), whose rows multiply by the transposed weight and fold their
+# result back (slower than a convolution's rows: the transposed SpMM, and F.fold).
+# ``benchmarks/conv_transpose_layer.py``'s second table (24 decoder layers, batch 1 and 4, 90 and
+# 98%; 2026-12-02, AMD Zen 4, 2 threads): from q = 0.5 the rows' inference was 0.91-6.0x as fast as
+# the kernels' (faster in 6 of 7), below it 0.14-1.22x (1 of 17); from q = 0.4 their training step
+# was 0.90-6.6x as fast (9 of 10), below it 0.21-1.06x (1 of 14).
+TRANSPOSED_ROWS_FOR_INFERENCE_FROM = 0.5
+TRANSPOSED_ROWS_FOR_TRAINING_FROM = 0.4
 
 
 class ConvGeometry(NamedTuple):
@@ -59,11 +70,14 @@ def applies(x: Tensor, values: Tensor) -> bool:
         return False
 
 
-def rows_are_faster(nnz: int, rows: int, row_width: int, training: bool) -> bool:
+def rows_are_faster(nnz: int, rows: int, row_width: int, training: bool, transposed: bool = False) -> bool:
     """Whether im2col rows ``(rows, row_width)`` through SparseLinear's kernels beat the direct
-    kernels for a convolution of ``nnz`` connections (see ``ROWS_FOR_INFERENCE_FROM``); never for
-    no rows (an empty batch)."""
-    threshold = ROWS_FOR_TRAINING_FROM if training else ROWS_FOR_INFERENCE_FROM
+    kernels for a convolution (``transposed``: a transposed one) of ``nnz`` connections (see
+    ``ROWS_FOR_INFERENCE_FROM``); never for no rows (an empty batch)."""
+    if transposed:
+        threshold = TRANSPOSED_ROWS_FOR_TRAINING_FROM if training else TRANSPOSED_ROWS_FOR_INFERENCE_FROM
+    else:
+        threshold = ROWS_FOR_TRAINING_FROM if training else ROWS_FOR_INFERENCE_FROM
     return rows > 0 and nnz >= threshold * rows * row_width
 
 
@@ -118,6 +132,61 @@ class _DirectConv2d(torch.autograd.Function):
         )  # fmt: skip
         grads = (dx, dvalues, dbias)
         return (*(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
+
+
+def direct_conv_transpose2d(
+    x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
+    output_size: tuple[int, int], recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor], *, training: bool,
+) -> Tensor:
+    """The transposed convolution ``y (N, out, Ho, Wo)`` of contiguous ``x (N, in, H, W)``: the
+    adjoint of the convolution ``c`` whose weight has ``topology`` (rows: the ``in`` channels,
+    columns: ``out · kh · kw``) and ``geometry``, on inputs of ``output_size`` ``(Ho, Wo)``; ``c``'s
+    output is ``H × W``. So the forward is ``c``'s input gradient (``conv2d_backward``) for the
+    output gradient ``x``, and the backward is ``c`` itself (the input gradient:
+    ``conv2d_forward`` of ``dy``) and ``c``'s values gradient with the roles of input and output
+    gradient swapped. ``bias`` is ``(out,)``; ``recompute`` and ``training`` as for
+    :func:`direct_conv2d`."""
+    if not training:
+        return _transposed_forward(x, values, bias, topology, geometry, output_size)
+    return _DirectConvTranspose2d.apply(x, values, bias, topology, geometry, output_size, recompute)
+
+
+def _transposed_forward(x, values, bias, topology: Topology, g: ConvGeometry, output_size) -> Tensor:
+    channels = topology.shape[1] // (g.kernel[0] * g.kernel[1])
+    # the kernel reads only the sizes of c's input: an uninitialised tensor, whose pages are never touched
+    input_of_c = x.new_empty((x.shape[0], channels, *output_size))
+    y = torch.ops.snack_cpu.conv2d_backward(
+        x, input_of_c, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
+        g.kernel, g.stride, g.dilation, g.zero_padding, True, False, False,
+    )[0]  # fmt: skip
+    return y if bias is None else y.add_(bias.view(1, -1, 1, 1))
+
+
+class _DirectConvTranspose2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, values, bias, topology, geometry, output_size, recompute):
+        y = _transposed_forward(x, values, bias, topology, geometry, output_size)
+        ctx.save_for_backward(x, values, bias)  # values: autograd's version check (see _DirectConv2d)
+        ctx.topology, ctx.geometry, ctx.recompute = topology, geometry, recompute
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, values, bias = ctx.saved_tensors
+        unused = (None,) * 4
+        if torch.is_grad_enabled():  # create_graph (see _DirectConv2d)
+            return (*gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy), *unused)
+        topology, g = ctx.topology, ctx.geometry
+        needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        dx = _forward(dy, values, None, topology, g) if needs_input else None
+        dvalues = None
+        if needs_values:  # c's values gradient, x in the role of its output gradient and dy in that of its input
+            dvalues = torch.ops.snack_cpu.conv2d_backward(
+                x, dy, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
+                g.kernel, g.stride, g.dilation, g.zero_padding, False, True, False,
+            )[1]  # fmt: skip
+        return dx, dvalues, dy.sum((0, 2, 3)) if needs_bias else None, *unused
 
 
 def gradients_by_recomputing(recompute, needed, x, values, bias, dy) -> list[Tensor | None]:

@@ -1,0 +1,446 @@
+"""``SparseConvTranspose2d``, a truly sparse drop-in for ``nn.ConvTranspose2d`` (U-Net decoders,
+GAN generators, upsampling heads)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from snack import backends
+from snack.backends import full
+from snack.backends.cpu import conv as direct
+from snack.func import transforms_active
+from snack.nn import tracing
+from snack.nn.conv_base import (
+    _check_channels, _checked_geometry, _ints, _no_tracer_warnings, _SparseConvNd, _tuple_of,
+)
+from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear, _copied_bias, _reject_meta
+from snack.ops import spmm_t
+from snack.topology import coo_from_dense
+
+__all__ = ["SparseConvTranspose2d"]
+
+
+class SparseConvTranspose2d(_SparseConvNd):
+    """A 2-D transposed convolution whose kernel stores only its ``nnz`` connections.
+
+    Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output ``(N, C_out, H_out, W_out)`` (or without
+    ``N``), with ``nn.ConvTranspose2d``'s arguments, output size (``H_out = (H - 1) · stride - 2 ·
+    padding + dilation · (kh - 1) + output_padding + 1``) and ``forward(input, output_size)``. The
+    weight is the sparse ``(in_channels, out_channels / groups · kh · kw)`` matrix
+    ``nn.ConvTranspose2d``'s ``(in_channels, out_channels / groups, kh, kw)`` weight is when
+    flattened: connection ``(i, col)`` spreads input channel ``i`` into output channel ``col //
+    (kh·kw)`` of its group at kernel tap ``divmod(col % (kh·kw), kw)``. So this is a
+    :class:`SparseLinear` with ``out_features = in_channels`` and ``in_features = out_channels /
+    groups · kh · kw`` (its ``bias`` has ``out_channels`` entries): ``row``, ``col``, ``values``,
+    ``set_topology``, the state_dict and every :mod:`snack.dst` algorithm work on it unchanged,
+    and :meth:`to_dense` gives the dense weight. Initialisation is ``nn.ConvTranspose2d``'s
+    variance (whose fan-in is ``out_channels / groups · kh · kw``) with the sparse fan-in.
+
+    It is the adjoint of the :class:`SparseConv2d` with the same weight (``out_channels ↔
+    in_channels``): its forward is that convolution's input gradient and its backward that
+    convolution's forward and weight gradient, so it computes with the same kernels:
+
+    * on the CPU, float32 and float64, eagerly: the native direct kernels, nothing unfolded
+      (except where im2col rows are faster, as for :class:`SparseConv2d`);
+    * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing, ``torch.func``
+      transforms, a forced backend): each input position's ``C_in`` values times the weight
+      (:func:`snack.ops.spmm_t`) give its ``C_out · kh · kw`` contributions, which ``F.fold`` sums
+      into the output. Those columns are ``kh · kw`` times the output's size, for the call; a
+      training step keeps only the input;
+    * a layer holding every connection: ``F.conv_transpose2d``, unless a backend is forced.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, output_padding, groups, dilation:
+            as for ``nn.ConvTranspose2d`` (each an int or a pair; ``output_padding`` smaller than
+            the stride or the dilation).
+        bias: learn an additive bias per output channel.
+        padding_mode: ``"zeros"`` only, as ``nn.ConvTranspose2d``.
+        sparsity: fraction of zero connections in ``[0, 1)``, drawn uniformly at random.
+        device, dtype: of the parameters.
+    """
+
+    _dense_class = nn.ConvTranspose2d
+    _dims = 2
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        output_padding: int | tuple[int, int] = 0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation: int | tuple[int, int] = 1,
+        padding_mode: str = "zeros",
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        name = type(self).__name__
+        if not isinstance(bias, bool) and bias not in (0, 1):  # (SparseLinear checks the bias it is given: none)
+            raise TypeError(f"{name}: bias must be a bool, got {type(bias).__name__} {bias!r}")
+        geometry = self._checked_geometry(kernel_size, stride, padding, output_padding, dilation, groups, padding_mode)
+        _check_transposed_channels(in_channels, out_channels, geometry, name)
+        in_features = int(out_channels) // geometry["groups"] * math.prod(geometry["kernel_size"])
+        # the bias is the output channels', not the weight rows' (the input channels): added below
+        super().__init__(in_features, in_channels, False, sparsity=sparsity, device=device, dtype=dtype)
+        self._set_geometry(int(in_channels), geometry)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(int(out_channels), device=device, dtype=dtype))
+            self.reset_parameters()
+
+    @classmethod
+    def _weight_shape(cls) -> str:
+        if cls._dims == 2:
+            return "(in_channels, out_channels / groups, kh, kw)"
+        return "(in_channels, out_channels / groups, kernel_size)"
+
+    @classmethod
+    def _checked_geometry(cls, kernel_size, stride, padding, output_padding, dilation, groups, padding_mode) -> dict:
+        name = cls.__name__
+        dense = f"nn.{cls._dense_class.__name__}"
+        if padding_mode != "zeros":
+            raise ValueError(f"{name}: padding_mode must be 'zeros' (as for {dense}), got {padding_mode!r}")
+        if isinstance(padding, str):
+            raise ValueError(f"{name}: padding must be an int or {_tuple_of(cls._dims)} (as for {dense}), got {padding!r}")
+        geometry = _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, cls._dims, name)
+        output_padding = _ints(output_padding, "output_padding", 0, cls._dims, name)
+        if any(o >= max(s, d) for o, s, d in zip(output_padding, geometry["stride"], geometry["dilation"])):
+            raise ValueError(
+                f"{name}: output_padding must be smaller than the stride or the dilation, got output_padding="
+                f"{output_padding} with stride={geometry['stride']} and dilation={geometry['dilation']}"
+            )
+        return {**geometry, "output_padding": output_padding}
+
+    @property
+    def out_channels(self) -> int:
+        return self._window_channels
+
+    # the 2-D geometry the computation uses (SparseConvTranspose1d: height 1)
+
+    @property
+    def _padding2d(self) -> tuple[int, int]:
+        return self.padding
+
+    @property
+    def _output_padding2d(self) -> tuple[int, int]:
+        return self.output_padding
+
+    @property
+    def _bias_features(self) -> int:
+        return self.out_channels
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dense(
+        cls,
+        conv_or_weight: nn.ConvTranspose2d | Tensor,
+        *,
+        sparsity: float | None = None,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        output_padding: int | tuple[int, int] = 0,
+        groups: int = 1,
+        dilation: int | tuple[int, int] = 1,
+    ) -> SparseConvTranspose2d:
+        """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
+        ``round((1 - sparsity) · numel)`` weights of an ``nn.ConvTranspose2d`` (its geometry and
+        bias are used) or of an ``(in_channels, out_channels / groups, kh, kw)`` weight tensor
+        (with ``bias``, ``stride``, ``padding``, ``output_padding``, ``groups`` and ``dilation``
+        given here). Parameters are copies."""
+        geometry_arguments = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                                  dilation=dilation)  # fmt: skip
+        dense_name = f"nn.{cls._dense_class.__name__}"
+        if isinstance(conv_or_weight, cls._dense_class):
+            conv = conv_or_weight
+            defaults = dict(stride=1, padding=0, output_padding=0, groups=1, dilation=1)
+            if bias is not None or geometry_arguments != defaults:
+                raise ValueError(
+                    "from_dense: bias, stride, padding, output_padding, groups and dilation must not be given with an "
+                    f"{dense_name}; its own are used"
+                )
+            if conv._forward_pre_hooks:
+                raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
+            weight, bias = conv.weight, conv.bias
+            geometry_arguments = dict(stride=conv.stride, padding=conv.padding, output_padding=conv.output_padding,
+                                      groups=conv.groups, dilation=conv.dilation)  # fmt: skip
+        elif isinstance(conv_or_weight, Tensor):
+            weight = conv_or_weight
+            if weight.dim() != 2 + cls._dims:
+                raise ValueError(f"conv_or_weight: a weight must be {cls._weight_shape()}, got {tuple(weight.shape)}")
+        else:
+            raise TypeError(
+                f"conv_or_weight must be an {dense_name} or a Tensor, got {type(conv_or_weight).__name__}"
+            )
+        _reject_meta(weight.device)
+        row, col, values = coo_from_dense(weight.reshape(weight.shape[0], -1), sparsity)
+        return cls._assembled(weight.shape, row, col, values, bias, geometry_arguments, "conv_or_weight")
+
+    @classmethod
+    def from_coo(
+        cls,
+        row: Tensor,
+        col: Tensor,
+        values: Tensor,
+        shape: tuple[int, int, int, int],
+        *,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        output_padding: int | tuple[int, int] = 0,
+        groups: int = 1,
+        dilation: int | tuple[int, int] = 1,
+    ) -> SparseConvTranspose2d:
+        """A sparse layer from coordinates into the flattened kernel: ``row`` the input channel,
+        ``col`` the position in ``out_channels / groups · kh · kw`` (``c · kh · kw + i · kw + j``, ``c``
+        counted within the input channel's group), in any order, without duplicates; ``shape`` is
+        the dense weight's, ``(in_channels, out_channels / groups, kh, kw)``."""
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
+            raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
+        geometry_arguments = dict(stride=stride, padding=padding, output_padding=output_padding, groups=groups,
+                                  dilation=dilation)  # fmt: skip
+        return cls._assembled(shape, row, col, values, bias, geometry_arguments, "shape", checked=False)
+
+    @classmethod
+    def _assembled(cls, shape, row, col, values, bias, arguments: dict, argument: str, checked: bool = True):
+        """A layer of a weight of ``shape`` ``(in_channels, out_channels / groups, kh, kw)`` with
+        connections ``row``/``col``/``values`` (``checked``: sorted and valid, else validated by
+        :meth:`SparseLinear.from_coo`), ``bias`` (copied) and the geometry ``arguments``; errors
+        about the shape name ``argument``."""
+        in_channels, group_channels, *kernel = shape
+        geometry = cls._checked_geometry(tuple(kernel), padding_mode="zeros", **arguments)
+        if not all(isinstance(size, numbers.Integral) and size > 0 for size in (in_channels, group_channels)):
+            raise ValueError(
+                f"{argument}: a weight's first two sizes (in_channels, out_channels / groups) must be positive ints, "
+                f"got {tuple(shape)}"
+            )
+        out_channels = int(group_channels) * geometry["groups"]
+        _check_transposed_channels(in_channels, out_channels, geometry, cls.__name__)
+        features = (int(in_channels), int(group_channels) * math.prod(geometry["kernel_size"]))
+        if not checked:
+            linear = SparseLinear.from_coo(row, col, values, features)
+            row, col, values = linear.row, linear.col, linear.values.data
+        layer = cls._from_parts(features[1], features[0], row, col, values, None)
+        bias = _copied_bias(bias, out_channels, values.dtype)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias)
+        layer._set_geometry(int(in_channels), geometry)
+        return layer
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        """``input (N, in_channels, H, W)`` or ``(in_channels, H, W)`` → ``(N, out_channels, H_out,
+        W_out)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`).
+        ``output_size`` (as for ``nn.ConvTranspose2d``: ``(H_out, W_out)``, optionally with the
+        leading sizes) picks among the sizes a strided layer can give, in place of
+        ``output_padding``."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_forward(input, *(() if output_size is None else (output_size,)))
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{type(self).__name__} expects a Tensor input, got {type(input).__name__}")
+        with _no_tracer_warnings():
+            self._check_input(input)
+            size = self._size_of_output(input, output_size)
+        return self._transposed(input, size)
+
+    def _transposed(self, input: Tensor, size: tuple[int, int]) -> Tensor:
+        """The output of size ``size`` of a checked ``input`` ``(N, in_channels, H, W)`` or
+        ``(in_channels, H, W)``."""
+        batched = input.dim() == 4
+        x = input if batched else input.unsqueeze(0)
+        # the convolution it is the adjoint of gives (H_c, W_c) for the output: with an output
+        # padding of a stride or more (dilation > stride) that is more than the input's, and the
+        # extra positions hold zeros
+        height, width = self._output_size(*size, self._zero_padding())
+        with _no_tracer_warnings():  # (whether it extends depends on the geometry only: a trace may fix it)
+            extends = (height, width) != x.shape[-2:]
+        x = F.pad(x, (0, width - x.shape[-1], 0, height - x.shape[-2])) if extends else x
+        y = self._fast_forward(x, size)
+        if y is None:
+            y = self._through_fold(x, size)
+        return y if batched else y.squeeze(0)
+
+    def _zero_padding(self) -> tuple[int, int, int, int]:
+        ph, pw = self._padding2d
+        return (pw, pw, ph, ph)
+
+    def _check_input(self, input: Tensor) -> None:
+        spatial = "H, W" if self._dims == 2 else "L"
+        if input.dim() not in (self._dims + 1, self._dims + 2) or input.shape[-self._dims - 1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__}(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, "
+                f"{spatial}) or ({self.in_channels}, {spatial}), got {tuple(input.shape)}"
+            )
+
+    def _size_of_output(self, input: Tensor, output_size) -> tuple[int, ...]:
+        """The output's spatial size for ``input`` (``(H_out, W_out)``; ``(L_out,)`` in 1-D): with
+        ``output_padding``, or ``output_size`` checked to be one the layer can give (from that size
+        to ``stride - 1`` more, as ``nn.ConvTranspose2d``)."""
+        name, dims = type(self).__name__, self._dims
+        spatial = tuple(input.shape[-dims:])
+        smallest = tuple(
+            (n - 1) * s - 2 * p + d * (k - 1) + 1
+            for n, s, p, d, k in zip(spatial, self.stride, self.padding, self.dilation, self.kernel_size)
+        )
+        if output_size is None:
+            size = tuple(low + o for low, o in zip(smallest, self.output_padding))
+        else:
+            given = list(output_size) if isinstance(output_size, (tuple, list, torch.Size)) else None
+            if given is not None and len(given) == input.dim():
+                given = given[-dims:]
+            if given is None or len(given) != dims or not all(isinstance(s, numbers.Integral) for s in given):
+                sizes = "(H_out, W_out)" if dims == 2 else "(L_out,)"
+                raise ValueError(
+                    f"{name}: output_size must be {sizes}, or the whole output shape, of ints; got {output_size!r} for "
+                    f"an input of shape {tuple(input.shape)}"
+                )
+            largest = tuple(low + stride - 1 for low, stride in zip(smallest, self.stride))
+            if not all(low <= s <= high for s, low, high in zip(given, smallest, largest)):
+                raise ValueError(
+                    f"{name}: output_size {tuple(given)} is not one this layer gives for an input of {spatial}: sizes "
+                    f"range from {smallest} to {largest}"
+                )
+            size = tuple(int(s) for s in given)
+        if min(size) < 1:
+            raise ValueError(
+                f"{name}: the output of an input of {spatial} would be {size}; the input is too small for the padding"
+            )
+        return size
+
+    def _fast_forward(self, x: Tensor, size: tuple[int, int]) -> Tensor | None:
+        """The transposed convolution of ``x`` in eager code, by ``F.conv_transpose2d`` for a full
+        topology or the native kernels (where they apply and im2col rows are not faster); ``None``
+        elsewhere (:meth:`_through_fold` runs)."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
+            return None
+        values, bias, topology = self._consistent_state()
+        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_channels,)):
+            return None  # the fold path's checks name the problem
+        if x.device != values.device or x.dtype != values.dtype or torch._C._is_any_autocast_enabled():
+            return None
+        if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
+            weight = values.view(self.in_channels, -1, *self._kernel2d)
+            return F.conv_transpose2d(x, weight, bias, self._stride2d, self._padding2d, _output_padding(x, size, self),
+                                      self.groups, self._dilation2d)  # fmt: skip
+        if not direct.applies(x, values):
+            return None
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
+        rows = x.shape[0] * x.shape[2] * x.shape[3]
+        if backends.forced_backend() is None and direct.rows_are_faster(topology.nnz, rows, self._rows_width, training,
+                                                                        transposed=True):  # fmt: skip
+            return None
+        geometry = direct.ConvGeometry(self._kernel2d, self._stride2d, self._dilation2d, self._zero_padding())
+
+        def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+            return self._folded(x, values, bias, topology, size)
+
+        return direct.direct_conv_transpose2d(x.contiguous(), values, bias, self._unfolded(topology), geometry, size,
+                                              recompute, training=training)  # fmt: skip
+
+    def _through_fold(self, x: Tensor, size: tuple[int, int]) -> Tensor:
+        """The composite path (class docstring), with the layer's checks of dtypes and shapes."""
+        x, cast_values, bias, _, topology = self._checked_operands(x)
+        return self._folded(x, cast_values, bias, topology, size)
+
+    def _folded(self, x: Tensor, values: Tensor, bias: Tensor | None, topology, size: tuple[int, int]) -> Tensor:
+        """``y (N, out_channels, *size)`` of ``x (N, in_channels, H_c, W_c)``: each position's
+        ``in_channels`` values times the weight give its ``out_channels · kh · kw`` contributions,
+        which ``F.fold`` adds into the output's windows (differentiable ops throughout)."""
+        n, _, height, width = x.shape
+        rows = x.permute(0, 2, 3, 1).reshape(n * height * width, self.in_channels)
+        columns = spmm_t(rows, values, self._unfolded(topology))  # (N · H_c · W_c, out_channels · kh · kw)
+        columns = columns.view(n, height * width, self._rows_width).transpose(1, 2)
+        y = F.fold(columns, size, self._kernel2d, dilation=self._dilation2d, padding=self._padding2d,
+                   stride=self._stride2d)  # fmt: skip
+        return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+    def _fx_root_forward(self, input, *args):
+        # the output's size comes from the input's, which symbolic tracing does not know; a model
+        # holding the layer records one call of it (SparseLinear._fx_forward)
+        raise NotImplementedError(
+            f"torch.fx.symbolic_trace cannot trace a {type(self).__name__} itself: trace a module that holds it (its "
+            "program then calls the layer), or use torch.export or torch.jit.trace"
+        )
+
+    # ------------------------------------------------------------------ records for RigL
+
+    # RigL scores |∂L/∂W|, W (in_channels, out_channels / groups · kh · kw). This layer is the adjoint
+    # of a convolution c with that weight, and ∂L/∂W is c's weight gradient with the roles swapped:
+    # c's input is the output gradient dy (its windows are the rows X), c's output gradient is the
+    # input x (its positions are the rows dY). So the records are x, and dy padded as c pads it.
+
+    def _record_of_input(self, x: Tensor) -> Tensor:
+        """``x (N, in_channels, H, W)`` (or unbatched), a copy."""
+        x = x if x.dim() == 4 else x.unsqueeze(0)
+        return x.clone(memory_format=torch.contiguous_format)
+
+    def _record_of_output_gradient(self, dy: Tensor) -> Tensor:
+        """``dy (N, out_channels, H_out, W_out)`` (or unbatched) zero padded as ``c`` pads its input."""
+        dy = dy if dy.dim() == 4 else dy.unsqueeze(0)
+        return F.pad(dy, self._zero_padding()).contiguous()
+
+    def _operands_of_records(self, input_record: Tensor, gradient_record: Tensor) -> tuple[Tensor, Tensor]:
+        """``(X, dY)``: the padded output gradient, cut to the windows of the input's ``H × W``
+        positions (``(N, out_channels, Hp, Wp)``, as a convolution's padded input), and the input
+        as rows ``(N · H · W, in_channels)``, row for row with ``X``'s windows."""
+        (kh, kw), (sh, sw), (dh, dw) = self._kernel2d, self._stride2d, self._dilation2d
+        height, width = input_record.shape[-2:]
+        x = gradient_record[..., : (height - 1) * sh + dh * (kh - 1) + 1, : (width - 1) * sw + dw * (kw - 1) + 1]
+        return x, input_record.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
+
+    # ------------------------------------------------------------------ conversion
+
+    @classmethod
+    def _random_like(cls, conv: nn.ConvTranspose2d, sparsity: float) -> SparseConvTranspose2d:
+        """A layer of ``conv``'s geometry with a random topology (``sparsify(init="random")``)."""
+        weight = conv.weight
+        return cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                   conv.output_padding, conv.groups, conv.bias is not None, conv.dilation, sparsity=sparsity,
+                   device=weight.device, dtype=weight.dtype)  # fmt: skip
+
+    def _dense_arguments(self) -> dict:
+        """``nn.ConvTranspose2d``'s constructor arguments for this layer's geometry (``densify``)."""
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels, kernel_size=self.kernel_size,
+                    stride=self.stride, padding=self.padding, output_padding=self.output_padding, groups=self.groups,
+                    bias=self.bias is not None, dilation=self.dilation)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.in_channels}, {self.out_channels}", f"kernel_size={self.kernel_size}", f"stride={self.stride}"]
+        for name, default in (("padding", 0), ("output_padding", 0), ("dilation", 1)):
+            if getattr(self, name) != (default,) * self._dims:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
+        parts.append(f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
+        return ", ".join(parts)
+
+
+SparseConvTranspose2d.forward.__annotations__ = {"input": Tensor, "output_size": list[int] | None, "return": Tensor}
+
+
+def _output_padding(x: Tensor, size: tuple[int, int], layer: SparseConvTranspose2d) -> tuple[int, int]:
+    """The output padding that gives ``size`` for ``x`` (``F.conv_transpose2d``'s argument)."""
+    return tuple(
+        out - ((n - 1) * s - 2 * p + d * (k - 1) + 1)
+        for out, n, s, p, d, k in zip(size, x.shape[-2:], layer._stride2d, layer._padding2d, layer._dilation2d,
+                                      layer._kernel2d)
+    )  # fmt: skip
+
+
+def _check_transposed_channels(in_channels, out_channels, geometry: dict, layer: str) -> None:
+    """Raise unless the channels are positive ints that the groups divide, and the weight's
+    ``out_channels · kh · kw`` columns (over all groups) are int32 indices."""
+    _check_channels(in_channels, out_channels, geometry, layer)
+    # (the same checks with the roles of the adjoint convolution: only its size bound can fail now)
+    _check_channels(out_channels, in_channels, geometry, layer)
