@@ -427,6 +427,28 @@ def test_a_convolution_runs_im2col_through_the_triton_kernels(channels, groups):
     torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_transposed_convolution_runs_through_the_triton_kernels(groups):
+    # its rows times the transposed weight (snack.ops.spmm_t), folded back; checked against
+    # nn.ConvTranspose2d
+    layer = snack.SparseConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups,
+                                        sparsity=0.6).to(DEVICE)  # fmt: skip
+    dense = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups).to(DEVICE)
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+        dense.bias.copy_(layer.bias)
+    x = torch.randn(2, 4, 5, 4, device=DEVICE, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_()
+    with snack.use_backend("triton"):
+        y = layer(x)
+        y.square().sum().backward()
+    dense(x_dense).square().sum().backward()
+    torch.testing.assert_close(y, dense(x_dense), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
+    flat = dense.weight.grad.reshape(4, -1)[layer.row.long(), layer.col.long()]
+    torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_training_step_is_three_launches_and_no_other_compute(monkeypatch, batch, launches):
     """Every CUDA op costs 15-20 µs of host time on the H200 machine, more than the kernels at
