@@ -26,11 +26,12 @@ LOCAL_BATCH = 8
 
 def model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    # convolutions too, one grouped: RigL scores them from the padded inputs alone, from the
-    # gathered im2col rows on several ranks, and both must grow the same connections
+    # convolutions too, one grouped, and a grouped transposed one: RigL scores them from the padded
+    # inputs (output gradients) alone, from the gathered im2col rows on several ranks, and both
+    # must grow the same connections
     net = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 6, 2, padding=1), nn.ReLU(),
-                        nn.Conv2d(6, 6, 1, groups=3), nn.Flatten(), nn.ReLU(), nn.Linear(54, 20), nn.ReLU(),
-                        nn.Linear(20, 5)).double()  # fmt: skip
+                        nn.Conv2d(6, 6, 1, groups=3), nn.ReLU(), nn.ConvTranspose2d(6, 4, 2, groups=2), nn.Flatten(),
+                        nn.ReLU(), nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 5)).double()  # fmt: skip
     return snack.sparsify(net, 0.7, init="random")
 
 
@@ -134,8 +135,8 @@ def another_topology_on_one_rank(rank: int) -> str:
     dst = snack.dst.SET(net, optimizer, drop_fraction=0.5, update_every=1, total_steps=10)
     if rank == 1:  # e.g. a checkpoint of another run loaded on one rank only
         torch.manual_seed(99)
-        other = snack.SparseLinear(54, 20, sparsity=0.7, dtype=torch.float64)
-        net[6].set_topology(other.row, other.col)
+        other = snack.SparseLinear(64, 20, sparsity=0.7, dtype=torch.float64)
+        net[8].set_topology(other.row, other.col)
     return failure(dst.step)
 
 

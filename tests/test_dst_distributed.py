@@ -62,8 +62,11 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
     _assert_same_topologies(rank0, single)
     for layer0, alone in zip(rank0, single):
         torch.testing.assert_close(layer0["values"], alone["values"], rtol=0, atol=1e-12)
-    initial = worker.layers_state(worker.model())  # the updates did change the topology
-    assert not all(torch.equal(now["col"], then["col"]) for now, then in zip(single, initial))
+    # the updates did change the topology of every layer but the smallest (4 connections: its one
+    # dropped connection was grown again)
+    initial = worker.layers_state(worker.model())
+    changed = [not torch.equal(now["col"], then["col"]) for now, then in zip(single, initial)]
+    assert all(done for done, then in zip(changed, initial) if then["col"].numel() > 4) and any(changed)
 
 
 def test_ranks_with_different_seeds_are_refused_at_construction(ranks):
