@@ -210,6 +210,31 @@ def test_float32_and_training_under_autocast_match_the_dense_layer():
         layer(x.double())
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_channels_last_sliced_transposed_and_inference_mode_inputs(path):
+    layer = _layer(4, 6, dict(kernel_size=3, stride=2, padding=1, output_padding=1, groups=2))
+    dense = _dense_twin(layer)
+    x = torch.randn(2, 4, 5, 10, dtype=torch.float64)
+    inputs = [x.to(memory_format=torch.channels_last), x[..., ::2], x[..., :5].transpose(2, 3)]
+    with _on_path(path):
+        for inp in inputs:
+            torch.testing.assert_close(layer(inp), dense(inp))
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(inputs[0]), dense(inputs[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layers_train(dtype):
+    layer = _layer(4, 6, dict(kernel_size=4, stride=2, padding=1), dtype=dtype)
+    dense = _dense_twin(copy.deepcopy(layer).float())
+    x = torch.randn(2, 4, 5, 5)
+    y = layer(x.to(dtype).requires_grad_())
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), dense(x.to(dtype).float()), atol=0.05, rtol=0.05)
+    y.float().square().sum().backward()
+    assert layer.values.grad.dtype == dtype and layer.values.grad.abs().sum() > 0
+
+
 def test_constructors_conversion_and_round_trips():
     dense = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=1)
     layer = snack.SparseConvTranspose2d.from_dense(dense, sparsity=0.6)
