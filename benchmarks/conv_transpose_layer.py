@@ -67,28 +67,32 @@ def variants(batch, in_channels, out_channels, side, kernel, stride, padding, sp
         with snack.use_backend("cpu"):
             return sparse(inp)
 
-    def step(module, call):
-        def run():
-            module.zero_grad(set_to_none=True)
-            x_grad.grad = None
-            call(x_grad).sum().backward()
-
-        return run
-
-    def infer(call):
-        def run():
-            with torch.no_grad():
-                call(x)
-
-        return run
-
     torch.testing.assert_close(sparse(x), dense(x), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(direct(x), dense(x), atol=1e-4, rtol=1e-4)
     calls = {"dense": (dense, dense), "mask": (dense, masked), "snack": (sparse, sparse), "direct": (sparse, direct)}
     return {
-        "inference": {name: infer(call) for name, (_, call) in calls.items()},
-        "training": {name: step(module, call) for name, (module, call) in calls.items()},
+        "inference": {name: _inference(call, x) for name, (_, call) in calls.items()},
+        "training": {name: _training_step(module, call, x_grad) for name, (module, call) in calls.items()},
     }
+
+
+def _training_step(module: nn.Module, call, x: torch.Tensor):
+    """A training step of ``call`` (a layer or a function of ``module``'s parameters) on ``x``."""
+
+    def run():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        call(x).sum().backward()
+
+    return run
+
+
+def _inference(call, x: torch.Tensor):
+    def run():
+        with torch.no_grad():
+            call(x)
+
+    return run
 
 
 def main() -> None:
@@ -97,7 +101,8 @@ def main() -> None:
     cpu = torch.device("cpu")
     emit = ResultLines(cpu)
     emit(f"Transposed convolutions, float32, {torch.get_num_threads()} threads; medians of {SAMPLES} interleaved "
-         "samples; dense/snack and mask/snack > 1: snack is faster; direct: the layer held to the direct kernels")  # fmt: skip
+         "samples; dense/snack and mask/snack > 1: snack is faster; direct: the layer held to the direct "
+         "kernels")  # fmt: skip
     emit("")
     emit("| batch × in → out channels × side | kernel, stride | sparsity | task | dense ms | mask ms | snack ms | "
          "direct ms | dense/snack | mask/snack |")  # fmt: skip
@@ -107,15 +112,16 @@ def main() -> None:
             for task, fns in variants(batch, cin, cout, side, kernel, stride, padding, sparsity).items():
                 ms = {name: s * 1e3 for name, s in interleaved_medians(fns, cpu, SAMPLES).items()}
                 emit(
-                    f"| {batch}×{cin}→{cout}×{side}² | {kernel}, {stride} | {sparsity} | {task} | {ms['dense']:.2f} | "
-                    f"{ms['mask']:.2f} | {ms['snack']:.2f} | {ms['direct']:.2f} | {ms['dense'] / ms['snack']:.2f} | "
+                    f"| {batch}×{cin}→{cout}×{side}² | {kernel}, {stride} | {sparsity} | {task} | "
+                    f"{ms['dense']:.2f} | {ms['mask']:.2f} | {ms['snack']:.2f} | {ms['direct']:.2f} | "
+                    f"{ms['dense'] / ms['snack']:.2f} | "
                     f"{ms['mask'] / ms['snack']:.2f} |"
                 )
     emit("")
     emit("The two paths of the layer (rows/direct > 1: the rows are faster):")
     emit("")
-    emit("| batch × in → out channels × side | kernel, stride | sparsity | q | direct inference ms | rows inference ms "
-         "| rows/direct | direct training ms | rows training ms | rows/direct |")  # fmt: skip
+    emit("| batch × in → out channels × side | kernel, stride | sparsity | q | direct inference ms | rows inference "
+         "ms | rows/direct | direct training ms | rows training ms | rows/direct |")  # fmt: skip
     emit("|---|---|---|---|---|---|---|---|---|---|")
     for batch in (1, 4):
         for cin, cout, side, kernel, stride, padding in PATH_SHAPES:
@@ -143,24 +149,10 @@ def paths(batch, in_channels, out_channels, side, kernel, stride, padding, spars
     def rows(inp):
         return layer._through_fold(inp, size)
 
-    def step(call):
-        def run():
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            call(x).sum().backward()
-
-        return run
-
-    def infer(call):
-        def run():
-            with torch.no_grad():
-                call(x)
-
-        return run
-
     torch.testing.assert_close(rows(x), direct(x), atol=1e-4, rtol=1e-4)
-    fns = {"direct inference": infer(direct), "rows inference": infer(rows),
-           "direct training": step(direct), "rows training": step(rows)}  # fmt: skip
+    fns = {"direct inference": _inference(direct, x), "rows inference": _inference(rows, x),
+           "direct training": _training_step(layer, direct, x),
+           "rows training": _training_step(layer, rows, x)}  # fmt: skip
     ms = {name: s * 1e3 for name, s in interleaved_medians(fns, torch.device("cpu"), SAMPLES).items()}
     return layer.nnz / (batch * side * side * layer._rows_width), ms
 

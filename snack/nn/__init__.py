@@ -20,7 +20,8 @@ from snack.nn.convert import densify, sparsify
 from snack.nn.layer import SparseLinear
 
 __all__ = [
-    "SparseConv1d", "SparseConv2d", "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseLinear", "densify", "sparsify"
+    "SparseConv1d", "SparseConv2d", "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseLinear", "densify",
+    "sparsify",
 ]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package

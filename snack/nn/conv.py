@@ -99,10 +99,6 @@ class SparseConv2d(_SparseConvNd):
     def out_channels(self) -> int:
         return self.out_features
 
-    @property
-    def _padding2d(self) -> tuple[int, int] | str:
-        return self.padding
-
     # ------------------------------------------------------------------ constructors
 
     @classmethod

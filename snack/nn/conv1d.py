@@ -59,24 +59,6 @@ class SparseConv1d(SparseConv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
                          sparsity=sparsity, device=device, dtype=dtype)  # fmt: skip
 
-    # the 2-D geometry SparseConv2d computes with: height 1
-
-    @property
-    def _kernel2d(self) -> tuple[int, int]:
-        return (1, self.kernel_size[0])
-
-    @property
-    def _stride2d(self) -> tuple[int, int]:
-        return (1, self.stride[0])
-
-    @property
-    def _dilation2d(self) -> tuple[int, int]:
-        return (1, self.dilation[0])
-
-    @property
-    def _padding2d(self) -> tuple[int, int] | str:
-        return self.padding if isinstance(self.padding, str) else (0, self.padding[0])
-
     def forward(self, input: Tensor) -> Tensor:
         """``input (N, in_channels, L)`` or ``(in_channels, L)`` → ``(N, out_channels, L_out)`` (or
         without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""

@@ -51,22 +51,23 @@ class _SparseConvNd(SparseLinear):
         self.__dict__.update(geometry)
         self._unfolded_cache: tuple[Topology, Topology] | None = None  # see _unfolded
 
-
-    # The 2-D geometry the computation uses (a 1-D convolution is a 2-D one of height 1):
-    # kernel_size, stride and dilation pairs.
+    # The 2-D geometry the computation uses: a 1-D layer (``_dims = 1``) is a 2-D one of height 1.
 
     @property
     def _kernel2d(self) -> tuple[int, int]:
-        return self.kernel_size
+        return _as_2d(self.kernel_size, 1)
 
     @property
     def _stride2d(self) -> tuple[int, int]:
-        return self.stride
+        return _as_2d(self.stride, 1)
 
     @property
     def _dilation2d(self) -> tuple[int, int]:
-        return self.dilation
+        return _as_2d(self.dilation, 1)
 
+    @property
+    def _padding2d(self) -> tuple[int, int] | str:
+        return self.padding if isinstance(self.padding, str) else _as_2d(self.padding, 0)
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
         """``(H_out, W_out)`` of an input of ``height × width`` padded by ``padding`` (left, right,
@@ -186,6 +187,11 @@ class _SparseConvNd(SparseLinear):
             f"`to_dense()` builds the {self._weight_shape()} weight, snack.densify(model) turns the layers back into "
             f"nn.{self._dense_class.__name__}"
         )
+
+def _as_2d(sizes: tuple[int, ...], height: int) -> tuple[int, int]:
+    """A geometry pair of 2-D ``sizes``, or of 1-D ones with ``height`` in front."""
+    return sizes if len(sizes) == 2 else (height, sizes[0])
+
 
 def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, dims: int, layer: str) -> dict:
     """``nn.Conv2d``'s (``dims=2``) or ``nn.Conv1d``'s (1) geometry arguments, checked, as the

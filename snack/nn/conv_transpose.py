@@ -16,7 +16,7 @@ from snack.backends.cpu import conv as direct
 from snack.func import transforms_active
 from snack.nn import tracing
 from snack.nn.conv_base import (
-    _check_channels, _checked_geometry, _ints, _no_tracer_warnings, _SparseConvNd, _tuple_of,
+    _as_2d, _check_channels, _checked_geometry, _ints, _no_tracer_warnings, _SparseConvNd, _tuple_of,
 )
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear, _copied_bias, _reject_meta
 from snack.ops import spmm_t
@@ -110,7 +110,9 @@ class SparseConvTranspose2d(_SparseConvNd):
         if padding_mode != "zeros":
             raise ValueError(f"{name}: padding_mode must be 'zeros' (as for {dense}), got {padding_mode!r}")
         if isinstance(padding, str):
-            raise ValueError(f"{name}: padding must be an int or {_tuple_of(cls._dims)} (as for {dense}), got {padding!r}")
+            raise ValueError(
+                f"{name}: padding must be an int or {_tuple_of(cls._dims)} (as for {dense}), got {padding!r}"
+            )
         geometry = _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, cls._dims, name)
         output_padding = _ints(output_padding, "output_padding", 0, cls._dims, name)
         if any(o >= max(s, d) for o, s, d in zip(output_padding, geometry["stride"], geometry["dilation"])):
@@ -124,15 +126,9 @@ class SparseConvTranspose2d(_SparseConvNd):
     def out_channels(self) -> int:
         return self._window_channels
 
-    # the 2-D geometry the computation uses (SparseConvTranspose1d: height 1)
-
-    @property
-    def _padding2d(self) -> tuple[int, int]:
-        return self.padding
-
     @property
     def _output_padding2d(self) -> tuple[int, int]:
-        return self.output_padding
+        return _as_2d(self.output_padding, 0)
 
     @property
     def _bias_features(self) -> int:

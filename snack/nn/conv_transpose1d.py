@@ -56,28 +56,6 @@ class SparseConvTranspose1d(SparseConvTranspose2d):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, output_padding, groups, bias,
                          dilation, padding_mode, sparsity=sparsity, device=device, dtype=dtype)  # fmt: skip
 
-    # the 2-D geometry SparseConvTranspose2d computes with: height 1
-
-    @property
-    def _kernel2d(self) -> tuple[int, int]:
-        return (1, self.kernel_size[0])
-
-    @property
-    def _stride2d(self) -> tuple[int, int]:
-        return (1, self.stride[0])
-
-    @property
-    def _dilation2d(self) -> tuple[int, int]:
-        return (1, self.dilation[0])
-
-    @property
-    def _padding2d(self) -> tuple[int, int]:
-        return (0, self.padding[0])
-
-    @property
-    def _output_padding2d(self) -> tuple[int, int]:
-        return (0, self.output_padding[0])
-
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         """``input (N, in_channels, L)`` or ``(in_channels, L)`` → ``(N, out_channels, L_out)`` (or
         without ``N``), in the layer's dtype; ``output_size`` as for ``nn.ConvTranspose1d``

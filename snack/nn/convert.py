@@ -285,8 +285,8 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         warnings.warn(
-            f"sparsify converted no layer: the model holds no nn.Linear or 1-D or 2-D (transposed) convolution{selected} that it may "
-            f"convert{already}",
+            "sparsify converted no layer: the model holds no nn.Linear or 1-D or 2-D (transposed) convolution"
+            f"{selected} that it may convert{already}",
             stacklevel=3,
         )
     by_name = {name: child for child, all_names in modules.values() for name in all_names}
