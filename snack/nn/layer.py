@@ -393,8 +393,8 @@ class SparseLinear(nn.Module):
             # a layer of integer (or complex) values is nothing the kernels compute: suggest none
             or_the_layer = f" or the layer (layer.to({x.dtype}))" if x.dtype.is_floating_point else ""
             raise TypeError(
-                f"{type(self).__name__}: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; cast "
-                f"the input (x.to({cast_values.dtype})){or_the_layer}"
+                f"{type(self).__name__}: input dtype {x.dtype} does not match the layer's {cast_values.dtype}{under}; "
+                f"cast the input (x.to({cast_values.dtype})){or_the_layer}"
             )
         return x, cast_values, bias, values, topology
 
