@@ -17,7 +17,8 @@ it is at the update, not as the forward saw it. Layers whose ``values`` do not r
 Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
 elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
 see :func:`snack.dst.prune_grow.gradient_grow`). A convolution keeps its padded input, not the
-im2col rows (``kh·kw`` times as many elements), and ``dY`` as rows ``(N · H_out · W_out, out)``.
+im2col rows (``kh·kw`` times as many elements), and ``dY`` as rows ``(N · H_out · W_out, out)``; a
+transposed convolution keeps its input and its padded output gradient.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class GradientCapture:
 
     def record(self, index: int, x: Tensor, output: Tensor) -> None:
         """Keep ``x`` as the layer keeps it (``_record_of_input``) and, when backward reaches
-        ``output``, its gradient as rows ``(N, out)`` (``_rows_of_output``: for a convolution, row
-        for row with the im2col rows of ``x``, so that ``dYᵀ·rows`` is its weight gradient)."""
+        ``output``, its gradient as the layer keeps it (``_record_of_output_gradient``: rows ``(N,
+        out)``, for a convolution row for row with the im2col rows of ``x``, so that ``dYᵀ·rows`` is
+        its weight gradient; a transposed convolution keeps it padded, and :meth:`batch` swaps the
+        roles, ``_operands_of_records``)."""
         layer = self.layers[index]
         # A copy, not the input itself: the caller may change the input in place once its backward
         # is done (a reused buffer, an adversarial step), and the update must score what this

@@ -331,7 +331,6 @@ class SparseConv2d(_SparseConvNd):
 
     # ------------------------------------------------------------------ conversion
 
-
     @classmethod
     def _random_like(cls, conv: nn.Conv2d, sparsity: float) -> SparseConv2d:
         """A layer of ``conv``'s geometry with a random topology (``sparsify(init="random")``)."""
@@ -361,4 +360,3 @@ class SparseConv2d(_SparseConvNd):
 
 
 SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
-

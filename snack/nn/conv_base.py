@@ -30,7 +30,9 @@ PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 class _SparseConvNd(SparseLinear):
     """A convolution's sparse weight as a :class:`SparseLinear` (see the module docstring).
     Subclasses set ``_dense_class``, ``_dims`` and the geometry attributes (``kernel_size``,
-    ``stride``, ``dilation``, ``groups`` as ``nn.Conv2d`` holds them; :meth:`_set_geometry`)."""
+    ``stride``, ``padding``, ``dilation``, ``groups`` as ``nn.Conv2d`` holds them;
+    :meth:`_set_geometry`), and give ``sparsify`` and ``densify`` ``_random_like(dense, sparsity)``
+    (a layer of a dense one's geometry) and ``_dense_arguments()`` (the dense layer's)."""
 
     # the dense layer it replaces and its spatial dimensions
     _dense_class: type[nn.Module]
@@ -279,4 +281,3 @@ def _channels_of_weight(shape, geometry: dict, argument: str, layer: str) -> int
     in_channels = int(group_channels) * geometry["groups"]
     _check_channels(in_channels, out_channels, geometry, layer)
     return in_channels
-
