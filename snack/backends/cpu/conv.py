@@ -42,9 +42,9 @@ ROWS_FOR_TRAINING_FROM = 0.5
 # ``row_width = out · kh · kw``), whose rows multiply by the transposed weight and fold their
 # result back (slower than a convolution's rows: the transposed SpMM, and F.fold).
 # ``benchmarks/conv_transpose_layer.py``'s second table (24 decoder layers, batch 1 and 4, 90 and
-# 98%; 2026-12-02, AMD Zen 4, 2 threads): from q = 0.5 the rows' inference was 0.91-6.0x as fast as
-# the kernels' (faster in 6 of 7), below it 0.14-1.22x (1 of 17); from q = 0.4 their training step
-# was 0.90-6.6x as fast (9 of 10), below it 0.21-1.06x (1 of 14).
+# 98%; 2026-12-02 13:30, AMD Zen 4, 2 threads): from q = 0.5 the rows' inference was 0.73-5.7x as
+# fast as the kernels' (faster in 6 of 7), below it 0.07-1.15x (1 of 17); from q = 0.4 their
+# training step was 1.01-6.6x as fast (10 of 10), below it 0.15-0.88x (0 of 14).
 TRANSPOSED_ROWS_FOR_INFERENCE_FROM = 0.5
 TRANSPOSED_ROWS_FOR_TRAINING_FROM = 0.4
 
