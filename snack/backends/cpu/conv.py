@@ -31,11 +31,11 @@ KERNEL_DTYPES = (torch.float32, torch.float64)
 # the direct kernels pay per connection per sample (a short run, a pass's setup), where the rows'
 # SpMM walks each connection once over all rows, and the rows are small. ``benchmarks/conv_paths.py``
 # timed both on 108 layer shapes (every distinct convolution of 90-98% ERK CIFAR ResNet-18s and a
-# 95% MobileNetV2 at batch 1 to 32; 2026-12-02, AMD Zen 4, 2 threads): from q = 0.25 the rows'
-# inference was 0.90-10.9x as fast as the kernels' (faster in 28 of 29), below it 0.03-2.6x (slower
-# in 71 of 79); from q = 0.5 their training step was 1.03-6.5x as fast (18 of 18), below it
-# 0.03-1.4x (slower in 83 of 90). Large planes and depthwise layers (few connections for many row
-# elements) stay direct.
+# 95% MobileNetV2 at batch 1 to 32; 2026-12-02 13:37, AMD Zen 4, 2 threads): from q = 0.25 the
+# rows' inference was 0.94-15.5x as fast as the kernels' (faster in 28 of 29), below it 0.03-1.8x
+# (slower in 76 of 79); from q = 0.5 their training step was 1.13-8.6x as fast (18 of 18), below it
+# 0.04-1.24x (slower in 84 of 90). (10:54, before the strided loops: 0.90-10.9x, 28 of 29; 1.03-6.5x,
+# 18 of 18.) Large planes and depthwise layers (few connections for many row elements) stay direct.
 ROWS_FOR_INFERENCE_FROM = 0.25
 ROWS_FOR_TRAINING_FROM = 0.5
 # The same for a transposed convolution (SparseConvTranspose2d: rows ``N · H · W`` of its input,
