@@ -361,7 +361,13 @@ def test_tracing_compiling_exporting_and_torch_func():
     x = torch.randn(2, 4, 5, 5)
     expected = model(x)
     torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected)
-    with pytest.raises(NotImplementedError, match=r"trace a module that holds it"):
+    # the layer itself, as nn.ConvTranspose2d: with output_size fixed to None (the program then
+    # computes the output's size from the input's)
+    root = torch.fx.symbolic_trace(model[0], concrete_args={"output_size": None})
+    for inp in (x, torch.randn(3, 4, 6, 3)):
+        torch.testing.assert_close(root(inp), model[0](inp))
+    assert "fx_sparse_linear_transposed" in root.code
+    with pytest.raises(NotImplementedError, match=r"concrete_args=\{'output_size': None\}"):
         torch.fx.symbolic_trace(model[0])
     traced = torch.jit.trace(model, x)
     torch.testing.assert_close(traced(x), expected, atol=1e-6, rtol=1e-5)
@@ -427,6 +433,18 @@ def test_conv_transpose1d_matches_nn_conv_transpose1d(geometry, path):
     torch.testing.assert_close(grads[0], dense_grads[0])
     torch.testing.assert_close(grads[1], dense_grads[1].reshape(4, -1)[layer.row.long(), layer.col.long()])
     torch.testing.assert_close(grads[2], dense_grads[2])
+
+
+def test_fx_traces_transposed_layers_themselves_and_in_models():
+    for layer in (snack.SparseConvTranspose2d(4, 6, 3, padding=1, output_padding=1, dilation=2, sparsity=0.5),
+                  snack.SparseConvTranspose1d(4, 6, 4, stride=2, padding=1, groups=2, sparsity=0.5)):  # fmt: skip
+        root = torch.fx.symbolic_trace(layer, concrete_args={"output_size": None})
+        held = torch.fx.symbolic_trace(nn.Sequential(layer, nn.ReLU()))
+        sizes = [(2, 4, 5, 6), (1, 4, 3, 9)] if layer._dims == 2 else [(2, 4, 5), (1, 4, 9)]
+        for size in sizes:
+            x = torch.randn(size)
+            torch.testing.assert_close(root(x), layer(x))
+            torch.testing.assert_close(held(x), F.relu(layer(x)))
 
 
 def test_conv_transpose1d_output_size_errors_conversion_and_rigl():

@@ -339,7 +339,7 @@ class SparseConvTranspose2d(_SparseConvNd):
         geometry = direct.ConvGeometry(self._kernel2d, self._stride2d, self._dilation2d, self._zero_padding())
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
-            return self._folded(x, values, bias, topology, size)
+            return self._folded(x, bias, size, lambda rows: spmm_t(rows, values, self._unfolded(topology)))
 
         return direct.direct_conv_transpose2d(x.contiguous(), values, bias, self._unfolded(topology), geometry, size,
                                               recompute, training=training)  # fmt: skip
@@ -347,27 +347,43 @@ class SparseConvTranspose2d(_SparseConvNd):
     def _through_fold(self, x: Tensor, size: tuple[int, int]) -> Tensor:
         """The composite path (class docstring), with the layer's checks of dtypes and shapes."""
         x, cast_values, bias, _, topology = self._checked_operands(x)
-        return self._folded(x, cast_values, bias, topology, size)
+        return self._folded(x, bias, size, lambda rows: spmm_t(rows, cast_values, self._unfolded(topology)))
 
-    def _folded(self, x: Tensor, values: Tensor, bias: Tensor | None, topology, size: tuple[int, int]) -> Tensor:
+    def _folded(self, x: Tensor, bias: Tensor | None, size, times_weight) -> Tensor:
         """``y (N, out_channels, *size)`` of ``x (N, in_channels, H_c, W_c)``: each position's
-        ``in_channels`` values times the weight give its ``out_channels · kh · kw`` contributions,
-        which ``F.fold`` adds into the output's windows (differentiable ops throughout)."""
-        n, _, height, width = x.shape
-        rows = x.permute(0, 2, 3, 1).reshape(n * height * width, self.in_channels)
-        columns = spmm_t(rows, values, self._unfolded(topology))  # (N · H_c · W_c, out_channels · kh · kw)
+        ``in_channels`` values times the weight (``times_weight``: rows ``(N · H_c · W_c,
+        in_channels)`` → ``(N · H_c · W_c, out_channels · kh · kw)``) give its contributions, which
+        ``F.fold`` adds into the output's windows (differentiable ops throughout; FX proxies too)."""
+        n, height, width = x.shape[0], x.shape[2], x.shape[3]
+        columns = times_weight(x.permute(0, 2, 3, 1).reshape(n * height * width, self.in_channels))
         columns = columns.view(n, height * width, self._rows_width).transpose(1, 2)
         y = F.fold(columns, size, self._kernel2d, dilation=self._dilation2d, padding=self._padding2d,
                    stride=self._stride2d)  # fmt: skip
         return y if bias is None else y + bias.view(1, -1, 1, 1)
 
     def _fx_root_forward(self, input, *args):
-        # the output's size comes from the input's, which symbolic tracing does not know; a model
-        # holding the layer records one call of it (SparseLinear._fx_forward)
-        raise NotImplementedError(
-            f"torch.fx.symbolic_trace cannot trace a {type(self).__name__} itself: trace a module that holds it (its "
-            "program then calls the layer), or use torch.export or torch.jit.trace"
-        )
+        """The composite path on the layer's tensors, as ``torch.fx.symbolic_trace`` records it for
+        the layer itself (batched input, ``output_padding``; the sizes are the input's proxies)."""
+        if args:  # (also what the tracer passes for forward's output_size unless concrete_args fixes it)
+            raise NotImplementedError(
+                f"torch.fx.symbolic_trace of a {type(self).__name__} itself needs output_size=None, as "
+                "nn.ConvTranspose2d's does: symbolic_trace(layer, concrete_args={'output_size': None}); or trace a "
+                "module that holds the layer"
+            )
+        x = input if self._dims == 2 else input.unsqueeze(-2)
+        # the rows the adjoint convolution gives beyond the input's (a geometry's constant, see _transposed)
+        (eh, ew) = extension = [o // s for o, s in zip(self._output_padding2d, self._stride2d)]
+        if any(extension):
+            x = F.pad(x, (0, ew, 0, eh))
+        size = [(x.shape[2 + d] - extension[d] - 1) * self._stride2d[d] - 2 * self._padding2d[d]
+                + self._dilation2d[d] * (self._kernel2d[d] - 1) + self._output_padding2d[d] + 1
+                for d in (0, 1)]  # fmt: skip
+        col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)
+        shape = (self.out_features, self._rows_width)
+        y = self._folded(x, self.bias, size, lambda rows: tracing.fx_sparse_linear_transposed(
+            rows, self.values, self.row, col, *shape
+        ))  # fmt: skip
+        return y if self._dims == 2 else y.squeeze(-2)
 
     # ------------------------------------------------------------------ records for RigL
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from snack.backends.derived import derived
 from snack.nn import locking
-from snack.ops import sparse_linear
+from snack.ops import sparse_linear, spmm_t
 from snack.topology import INDEX_DTYPE, Topology
 
 if TYPE_CHECKING:
@@ -27,6 +27,15 @@ def fx_sparse_linear(
     rewriters) see the layer as one node, as they see ``nn.Linear``. The index data are derived
     as in traced programs (:func:`topology_index_data`, cached per row/col)."""
     return sparse_linear(x, values, traced_topology(row, col, (out_features, in_features)), bias)
+
+
+def fx_sparse_linear_transposed(
+    rows: Tensor, values: Tensor, row: Tensor, col: Tensor, out_features: int, in_features: int
+) -> Tensor:
+    """``rows (B, out_features)`` times the ``(out_features, in_features)`` sparse weight
+    (:func:`snack.ops.spmm_t`), as ``torch.fx.symbolic_trace`` records it for a transposed
+    convolution it traces as the root (:meth:`SparseConvTranspose2d._fx_root_forward`)."""
+    return spmm_t(rows, values, traced_topology(row, col, (out_features, in_features)))
 
 
 def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topology:
@@ -44,6 +53,7 @@ def fx_layer_forward(layer: SparseLinear, x: Tensor, *args) -> Tensor:
 
 # symbolic_trace records calls to these instead of tracing into them
 torch.fx.wrap("fx_sparse_linear")
+torch.fx.wrap("fx_sparse_linear_transposed")
 torch.fx.wrap("fx_layer_forward")
 
 
