@@ -46,12 +46,13 @@ class SparseConvTranspose2d(_SparseConvNd):
     convolution's forward and weight gradient, so it computes with the same kernels:
 
     * on the CPU, float32 and float64, eagerly: the native direct kernels, nothing unfolded
-      (except where im2col rows are faster, as for :class:`SparseConv2d`);
+      (except where the rows below are faster: few input positions for the connections, see
+      :func:`snack.backends.cpu.conv.rows_are_faster`);
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing, ``torch.func``
       transforms, a forced backend): each input position's ``C_in`` values times the weight
       (:func:`snack.ops.spmm_t`) give its ``C_out · kh · kw`` contributions, which ``F.fold`` sums
-      into the output. Those columns are ``kh · kw`` times the output's size, for the call; a
-      training step keeps only the input;
+      into the output. Those columns are ``kh · kw / stride²`` times the output's size, for the
+      call; a training step keeps only the input;
     * a layer holding every connection: ``F.conv_transpose2d``, unless a backend is forced.
 
     Args:
