@@ -411,11 +411,18 @@ def test_a_convolution_runs_im2col_through_the_triton_kernels(channels, groups):
     # here) its im2col rows go through SparseLinear's ops (a grouped layer's with its columns moved
     # to their groups' blocks); checked against nn.Conv2d
     layer = snack.SparseConv2d(*channels, 3, stride=2, padding=1, groups=groups, sparsity=0.6).to(DEVICE)
-    dense = torch.nn.Conv2d(*channels, 3, stride=2, padding=1, groups=groups).to(DEVICE)
+    _triton_step_matches_dense(layer, torch.randn(2, channels[0], 9, 8, device=DEVICE))
+
+
+def _triton_step_matches_dense(layer, x):
+    """A training step of the sparse convolution ``layer`` on the Triton backend: its output, input
+    gradient and values gradient against those of its dense twin (``nn.Conv2d`` or
+    ``nn.ConvTranspose2d``)."""
+    dense = layer._dense_class(**layer._dense_arguments()).to(DEVICE)
     with torch.no_grad():
         dense.weight.copy_(layer.to_dense())
         dense.bias.copy_(layer.bias)
-    x = torch.randn(2, channels[0], 9, 8, device=DEVICE, requires_grad=True)
+    x = x.requires_grad_()
     x_dense = x.detach().clone().requires_grad_()
     with snack.use_backend("triton"):
         y = layer(x)
@@ -423,7 +430,7 @@ def test_a_convolution_runs_im2col_through_the_triton_kernels(channels, groups):
     dense(x_dense).square().sum().backward()
     torch.testing.assert_close(y, dense(x_dense), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
-    flat = dense.weight.grad.reshape(channels[1], -1)[layer.row.long(), layer.col.long()]
+    flat = dense.weight.grad.reshape(layer.out_features, -1)[layer.row.long(), layer.col.long()]
     torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
 
 
@@ -433,20 +440,7 @@ def test_a_transposed_convolution_runs_through_the_triton_kernels(groups):
     # nn.ConvTranspose2d
     layer = snack.SparseConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups,
                                         sparsity=0.6).to(DEVICE)  # fmt: skip
-    dense = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=groups).to(DEVICE)
-    with torch.no_grad():
-        dense.weight.copy_(layer.to_dense())
-        dense.bias.copy_(layer.bias)
-    x = torch.randn(2, 4, 5, 4, device=DEVICE, requires_grad=True)
-    x_dense = x.detach().clone().requires_grad_()
-    with snack.use_backend("triton"):
-        y = layer(x)
-        y.square().sum().backward()
-    dense(x_dense).square().sum().backward()
-    torch.testing.assert_close(y, dense(x_dense), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
-    flat = dense.weight.grad.reshape(4, -1)[layer.row.long(), layer.col.long()]
-    torch.testing.assert_close(layer.values.grad, flat, atol=1e-4, rtol=1e-4)
+    _triton_step_matches_dense(layer, torch.randn(2, 4, 5, 4, device=DEVICE))
 
 
 @pytest.mark.parametrize("batch", [1, 8])

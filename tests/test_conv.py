@@ -42,11 +42,9 @@ PATHS = ["native", "reference"]
 
 
 def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
-    """The ``nn.Conv2d`` (``nn.Conv1d`` for a :class:`snack.SparseConv1d`) of ``layer``'s weight."""
-    dense = layer._dense_class(
-        layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
-        layer.groups, bias=layer.bias is not None, padding_mode=layer.padding_mode, dtype=layer.values.dtype,
-    )  # fmt: skip
+    """The dense layer of ``layer``'s weight: its ``nn.Conv2d`` (``nn.Conv1d``, ``nn.ConvTranspose2d``,
+    ... for the other sparse convolutions)."""
+    dense = layer._dense_class(**layer._dense_arguments(), dtype=layer.values.dtype)
     with torch.no_grad():
         dense.weight.copy_(layer.to_dense())
         if layer.bias is not None:
@@ -54,28 +52,37 @@ def _dense_twin(layer: snack.SparseConv2d) -> nn.Module:
     return dense
 
 
+def _on_path(path: str) -> contextlib.AbstractContextManager:
+    """Where ``path`` runs a layer: "reference" on the reference ops, "direct" on the CPU's direct
+    kernels (``snack.use_backend("cpu")``); any other path is the layer's own choice."""
+    forced = {"reference": "reference", "direct": "cpu"}.get(path)
+    return contextlib.nullcontext() if forced is None else snack.use_backend(forced)
+
+
 def _run(layer, x, path):
-    if path in ("reference", "direct"):
-        with snack.use_backend("cpu" if path == "direct" else path):
-            return layer(x)
-    return layer(x)
+    with _on_path(path):
+        return layer(x)
 
 
-def _check_against_dense(layer, x, path, atol=1e-10):
+def _check_against_dense(layer, x, path, atol=1e-10, *, forward=lambda module, inp: module(inp)):
+    """``layer``'s output and its gradients in the input, ``values`` and ``bias`` on ``path``
+    against its dense twin's, both called as ``forward(module, input)``."""
     dense = _dense_twin(layer)
     x = x.detach().requires_grad_()
-    y = _run(layer, x, path)
     x_dense = x.detach().clone().requires_grad_()
-    y_dense = dense(x_dense)
-    assert y.shape == y_dense.shape
-    torch.testing.assert_close(y, y_dense, atol=atol, rtol=1e-7)
-    dy = torch.randn_like(y_dense)
-    wanted = [x, layer.values] + ([layer.bias] if layer.bias is not None else [])
-    grads = torch.autograd.grad(y, wanted, dy)
+    with _on_path(path):  # the backward too: it runs on the forward's path
+        y = forward(layer, x)
+        y_dense = forward(dense, x_dense)
+        assert y.shape == y_dense.shape
+        torch.testing.assert_close(y, y_dense, atol=atol, rtol=1e-7)
+        dy = torch.randn_like(y_dense)
+        wanted = [x, layer.values] + ([layer.bias] if layer.bias is not None else [])
+        grads = torch.autograd.grad(y, wanted, dy)
     dense_wanted = [x_dense, dense.weight] + ([dense.bias] if dense.bias is not None else [])
     dense_grads = torch.autograd.grad(y_dense, dense_wanted, dy)
     torch.testing.assert_close(grads[0], dense_grads[0], atol=atol, rtol=1e-7)
-    flat = dense_grads[1].reshape(layer.out_channels, -1)[layer.row.long(), layer.col.long()]
+    # the weight's rows are the sparse layer's out_features (a transposed convolution's input channels)
+    flat = dense_grads[1].reshape(layer.out_features, -1)[layer.row.long(), layer.col.long()]
     torch.testing.assert_close(grads[1], flat, atol=atol, rtol=1e-7)
     if layer.bias is not None:
         torch.testing.assert_close(grads[2], dense_grads[2], atol=atol, rtol=1e-7)

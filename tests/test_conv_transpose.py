@@ -5,7 +5,6 @@ and the truly-sparse guarantee."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 import pickle
@@ -20,12 +19,14 @@ from torch import nn
 import snack
 from snack.dst.capture import GradientCapture
 from snack.dst.prune_grow import gradient_grow, linear_index
+from tests.test_conv import _check_against_dense as _check_conv_against_dense
+from tests.test_conv import _dense_twin, _on_path
 from tests.test_nn import compiled_graphs_through_set_updates
 from tests.test_truly_sparse import LargestTensorMode
 
-# the direct kernels (a forced CPU backend runs them as they are), im2col columns folded (the
-# reference backend), and whatever the layer picks
-PATHS = ["direct", "fold", "auto"]
+# the direct kernels (a forced CPU backend runs them as they are), im2col columns folded (on the
+# reference ops), and whatever the layer picks
+PATHS = ["direct", "reference", "auto"]
 
 # (in_channels, out_channels, geometry)
 GEOMETRIES = [
@@ -44,40 +45,8 @@ def _layer(in_channels, out_channels, geometry, sparsity=0.5, dtype=torch.float6
     return snack.SparseConvTranspose2d(in_channels, out_channels, sparsity=sparsity, dtype=dtype, **geometry)
 
 
-def _dense_twin(layer: snack.SparseConvTranspose2d) -> nn.ConvTranspose2d:
-    dense = nn.ConvTranspose2d(**layer._dense_arguments(), dtype=layer.values.dtype)
-    with torch.no_grad():
-        dense.weight.copy_(layer.to_dense())
-        if layer.bias is not None:
-            dense.bias.copy_(layer.bias)
-    return dense
-
-
-def _on_path(path: str):
-    if path == "auto":
-        return contextlib.nullcontext()
-    return snack.use_backend({"direct": "cpu", "fold": "reference"}[path])
-
-
-def _check_against_dense(layer, x, path, output_size=None, atol=1e-10):
-    dense = _dense_twin(layer)
-    x = x.detach().requires_grad_()
-    x_dense = x.detach().clone().requires_grad_()
-    with _on_path(path):
-        y = layer(x, output_size)
-        y_dense = dense(x_dense, output_size)
-        assert y.shape == y_dense.shape
-        torch.testing.assert_close(y, y_dense, atol=atol, rtol=1e-7)
-        dy = torch.randn_like(y_dense)
-        wanted = [x, layer.values] + ([layer.bias] if layer.bias is not None else [])
-        grads = torch.autograd.grad(y, wanted, dy)
-    dense_wanted = [x_dense, dense.weight] + ([dense.bias] if dense.bias is not None else [])
-    dense_grads = torch.autograd.grad(y_dense, dense_wanted, dy)
-    torch.testing.assert_close(grads[0], dense_grads[0], atol=atol, rtol=1e-7)
-    flat = dense_grads[1].reshape(layer.in_channels, -1)[layer.row.long(), layer.col.long()]
-    torch.testing.assert_close(grads[1], flat, atol=atol, rtol=1e-7)
-    if layer.bias is not None:
-        torch.testing.assert_close(grads[2], dense_grads[2], atol=atol, rtol=1e-7)
+def _check_against_dense(layer, x, path, output_size=None):
+    _check_conv_against_dense(layer, x, path, forward=lambda module, inp: module(inp, output_size))
 
 
 def _direct_calls(monkeypatch) -> list[int]:
@@ -168,7 +137,7 @@ def test_a_full_layer_runs_dense_math_and_a_forced_backend_does_not(monkeypatch)
     monkeypatch.setattr(F, "conv_transpose2d", lambda *a, **k: dense_calls.append(1) or torch.conv_transpose2d(*a))
     _check_against_dense(layer, torch.randn(2, 3, 4, 4, dtype=torch.float64), "auto")
     assert dense_calls == [1, 1]  # the layer's and its dense twin's
-    _check_against_dense(layer, torch.randn(2, 3, 4, 4, dtype=torch.float64), "fold")
+    _check_against_dense(layer, torch.randn(2, 3, 4, 4, dtype=torch.float64), "reference")
     assert dense_calls == [1, 1, 1]
 
 
@@ -183,7 +152,7 @@ def test_the_dispatch_takes_rows_where_they_are_faster(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("path", ["direct", "fold"])
+@pytest.mark.parametrize("path", ["direct", "reference"])
 def test_gradcheck_and_gradgradcheck(path):
     layer = _layer(4, 4, dict(kernel_size=3, stride=2, padding=1, output_padding=1, groups=2))
     x = torch.randn(2, 4, 3, 2, dtype=torch.float64)
@@ -308,7 +277,7 @@ def test_sparsify_and_densify_convert_transposed_convolutions():
     assert randomly[0].groups == 2 and randomly[0].bias is None and randomly[0].nnz == 8 * 2 * 9 // 2
 
 
-@pytest.mark.parametrize("path", ["direct", "fold"])
+@pytest.mark.parametrize("path", ["direct", "reference"])
 def test_rigl_grows_by_the_weight_gradient(path):
     layer = _layer(6, 8, dict(kernel_size=3, stride=2, padding=1, output_padding=1, groups=2), sparsity=0.6)
     capture = GradientCapture([layer])
@@ -418,21 +387,10 @@ def test_no_dense_weight_in_a_training_step(path):
 def test_conv_transpose1d_matches_nn_conv_transpose1d(geometry, path):
     layer = snack.SparseConvTranspose1d(4, 6, sparsity=0.5, dtype=torch.float64, **geometry)
     assert layer.to_dense().shape == (4, 6 // layer.groups, layer.kernel_size[0])
-    dense = nn.ConvTranspose1d(**layer._dense_arguments(), dtype=torch.float64)
-    with torch.no_grad():
-        dense.weight.copy_(layer.to_dense())
-        dense.bias.copy_(layer.bias)
-    x = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, 7, dtype=torch.float64)
+    _check_against_dense(layer, x, path)
     with _on_path(path):
-        y = layer(x)
-        torch.testing.assert_close(y, dense(x))
-        dy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, [x, layer.values, layer.bias], dy)
-        torch.testing.assert_close(layer(x[0]), dense(x[0]))  # unbatched
-    dense_grads = torch.autograd.grad(dense(x), [x, dense.weight, dense.bias], dy)
-    torch.testing.assert_close(grads[0], dense_grads[0])
-    torch.testing.assert_close(grads[1], dense_grads[1].reshape(4, -1)[layer.row.long(), layer.col.long()])
-    torch.testing.assert_close(grads[2], dense_grads[2])
+        torch.testing.assert_close(layer(x[0]), _dense_twin(layer)(x[0]))  # unbatched
 
 
 def test_fx_traces_transposed_layers_themselves_and_in_models():
@@ -467,10 +425,7 @@ def test_conv_transpose1d_output_size_errors_conversion_and_rigl():
     layer(x).square().sum().backward()
     x_kept, dy_rows = capture.batch(0)
     capture.disarm()
-    dense = nn.ConvTranspose1d(**layer._dense_arguments(), dtype=torch.float64)
-    with torch.no_grad():
-        dense.weight.copy_(layer.to_dense())
-        dense.bias.copy_(layer.bias)
+    dense = _dense_twin(layer)
     dense(x).square().sum().backward()
     scores = dense.weight.grad.abs().flatten()
     scores[linear_index(layer.topology)] = -1
