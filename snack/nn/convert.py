@@ -222,8 +222,8 @@ def sparsify(
     another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
     kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
-    depthwise convolution is slower than a dense one (README, *A CIFAR MobileNetV2*): ``exclude``
-    them when sparsifying for speed. 3-D convolutions (and subclasses of the converted
+    depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
+    large ones (README, *A CIFAR MobileNetV2*). 3-D convolutions (and subclasses of the converted
     convolutions) stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one

@@ -1,7 +1,7 @@
 """The native CPU backend: C++ kernels built once per machine, just in time: the sparse ops
 (``kernels.cpp``), the index helpers of topology updates (``index_ops.cpp``), RigL's gradient
-scores (``grow_scores.cpp``) and ``SparseConv2d``'s direct convolution (``conv_kernels.cpp``), one
-library.
+scores (``grow_scores.cpp``) and ``SparseConv2d``'s direct convolution (``conv_kernels.cpp``, its
+depthwise form ``depthwise_kernels.cpp``, both walking as ``conv_walk.h`` lays out), one library.
 
 This package builds them; :mod:`.native` loads them (building first if needed) and wraps the ops,
 and is what :mod:`snack.backends` imports. Importing this package itself builds nothing, so that
@@ -37,8 +37,10 @@ from filelock import FileLock
 __all__ = ["BuildError", "build", "prune"]
 
 _SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp")
+    Path(__file__).with_name(name)
+    for name in ("kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp", "depthwise_kernels.cpp")
 )
+_HEADERS = (Path(__file__).with_name("conv_walk.h"),)  # included by the sources: part of the cache key
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 # Vector extensions per PyTorch CPU capability. FMA comes with every AVX2 machine.
 _ISA_FLAGS = {
@@ -90,7 +92,7 @@ def _library(capability: str, sanitizer: str | None) -> tuple[str, list[str], li
     extra_flags, extra_ldflags = _SANITIZER_FLAGS[sanitizer] if sanitizer else ([], [])
     flags = _COMMON_FLAGS + _ISA_FLAGS.get(capability, []) + extra_flags
     ldflags = ["-fopenmp"] + extra_ldflags
-    sources = b"\0".join(source.read_bytes() for source in _SOURCES)
+    sources = b"\0".join(source.read_bytes() for source in _SOURCES + _HEADERS)
     parts = (sources, " ".join(flags + ldflags).encode(), torch.__version__.encode(), sys.version.encode())
     key = hashlib.sha256(b"".join(parts))
     name = f"snack_cpu_{capability.lower()}{'_' + sanitizer if sanitizer else ''}_{key.hexdigest()[:12]}"

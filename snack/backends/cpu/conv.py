@@ -1,5 +1,5 @@
-"""The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``),
-as one autograd node.
+"""The direct sparse convolution of :class:`snack.SparseConv2d` on the CPU (``conv_kernels.cpp``;
+depthwise layers ``depthwise_kernels.cpp``), as one autograd node.
 
 Shapes: ``x (N, C, H, W)`` (zero padded by the kernels, or already padded with another mode),
 ``values (nnz,)``, ``bias (out,)`` or ``None`` → ``y (N, out, Ho, Wo)``. The kernels compute float32 and
@@ -20,7 +20,8 @@ from snack import backends
 from snack.topology import Topology
 
 __all__ = [
-    "ConvGeometry", "applies", "direct_conv2d", "direct_conv_transpose2d", "gradients_by_recomputing", "rows_are_faster"
+    "ConvGeometry", "applies", "depthwise_kernels_run", "direct_conv2d", "direct_conv_transpose2d",
+    "gradients_by_recomputing", "rows_are_faster",
 ]
 
 KERNEL_DTYPES = (torch.float32, torch.float64)
@@ -47,6 +48,12 @@ ROWS_FOR_TRAINING_FROM = 0.5
 # training step was 1.01-6.6x as fast (10 of 10), below it 0.15-0.88x (0 of 14).
 TRANSPOSED_ROWS_FOR_INFERENCE_FROM = 0.5
 TRANSPOSED_ROWS_FOR_TRAINING_FROM = 0.4
+# Depthwise layers (groups = in_channels) of at least this many channels run kernels of their own,
+# which lay out one plane at a time where the ungrouped ones lay out the whole input first
+# (``depthwise_kernels.cpp``). Their tasks are (sample, channel) and (samples, 32 channels): with
+# fewer channels (``groups == in_channels == 1`` is an ordinary convolution) one image would be one
+# task or a few, where the ungrouped kernels split the output channels.
+DEPTHWISE_KERNELS_FROM_CHANNELS = 16
 
 
 class ConvGeometry(NamedTuple):
@@ -83,12 +90,17 @@ def rows_are_faster(nnz: int, rows: int, row_width: int, training: bool, transpo
 
 def direct_conv2d(
     x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, geometry: ConvGeometry,
-    recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor], *, training: bool,
+    recompute: Callable[[Tensor, Tensor, Tensor | None], Tensor], *, training: bool, depthwise: bool = False,
 ) -> Tensor:
     """``y (N, out, Ho, Wo)`` of contiguous ``x (N, C, H, W)``, zero padded by
     ``geometry.zero_padding``; see the module docstring. The kernels pad, not the caller: the
     backward then keeps only ``x`` (a padded copy saved for it would double the activation memory
     convolutions keep) and returns the input gradient without the padding, in one pass.
+
+    ``topology``: the ungrouped ``(out, C · kh · kw)`` one (a grouped layer's connections moved to
+    their group's block), or with ``depthwise`` a depthwise layer's own ``(out, kh · kw)`` one
+    (groups = C, output channel ``o`` reading channel ``o // (out / C)``), which the depthwise
+    kernels run (``depthwise_kernels.cpp``; see :func:`depthwise_kernels_run`).
 
     ``recompute(x, values, bias)`` gives the same result by another route, for a backward that
     itself builds a graph (``create_graph=True``): these kernels have no derivatives of their own.
@@ -97,41 +109,56 @@ def direct_conv2d(
     gradient, as the caller found); without it the kernel runs alone (the autograd.Function's
     call cost 10-15 µs, a third of a small layer's batch-1 forward)."""
     if not training:
-        return _forward(x, values, bias, topology, geometry)
-    return _DirectConv2d.apply(x, values, bias, topology, geometry, recompute)
+        return _forward(x, values, bias, topology, geometry, depthwise)
+    return _DirectConv2d.apply(x, values, bias, topology, geometry, recompute, depthwise)
 
 
-def _forward(x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, g: ConvGeometry) -> Tensor:
-    return torch.ops.snack_cpu.conv2d_forward(
-        x, values, topology.rowptr, topology.col, bias, g.kernel, g.stride, g.dilation, g.zero_padding
-    )
+def depthwise_kernels_run(in_channels: int, groups: int) -> bool:
+    """Whether a layer's direct convolution runs the depthwise kernels: ``groups == in_channels``,
+    at least ``DEPTHWISE_KERNELS_FROM_CHANNELS`` of them."""
+    return groups == in_channels >= DEPTHWISE_KERNELS_FROM_CHANNELS
+
+
+def _forward(x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, g: ConvGeometry,
+             depthwise: bool = False) -> Tensor:  # fmt: skip
+    forward = torch.ops.snack_cpu.depthwise_conv2d_forward if depthwise else torch.ops.snack_cpu.conv2d_forward
+    return forward(x, values, topology.rowptr, topology.col, bias, g.kernel, g.stride, g.dilation, g.zero_padding)
+
+
+def _backward(dy: Tensor, x: Tensor, values: Tensor, topology: Topology, g: ConvGeometry, depthwise: bool,
+              needs: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dx, dvalues, dbias)`` of the convolution, each empty where ``needs`` says not needed."""
+    geometry = (g.kernel, g.stride, g.dilation, g.zero_padding)
+    if depthwise:
+        return torch.ops.snack_cpu.depthwise_conv2d_backward(
+            dy, x, values, topology.rowptr, topology.col, *geometry, *needs
+        )
+    return torch.ops.snack_cpu.conv2d_backward(
+        dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr, *geometry,
+        *needs,
+    )  # fmt: skip
 
 
 class _DirectConv2d(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, values, bias, topology, geometry, recompute):
-        y = _forward(x, values, bias, topology, geometry)
+    def forward(ctx, x, values, bias, topology, geometry, recompute, depthwise):
+        y = _forward(x, values, bias, topology, geometry, depthwise)
         # values saved too: autograd's version check then refuses a backward after values changed
         # (a rewire, an in-place clamp), as the layer's other paths do
         ctx.save_for_backward(x, values, bias)
-        ctx.topology, ctx.geometry, ctx.recompute = topology, geometry, recompute
+        ctx.topology, ctx.geometry, ctx.recompute, ctx.depthwise = topology, geometry, recompute, depthwise
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, values, bias = ctx.saved_tensors
+        unused = (None,) * 4
         if torch.is_grad_enabled():
             # create_graph: differentiate the recomputed result, whose ops have derivatives of every order
-            return (*gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy),
-                    None, None, None)  # fmt: skip
-        topology, g = ctx.topology, ctx.geometry
-        needs_input, needs_values, needs_bias = ctx.needs_input_grad[:3]
-        dx, dvalues, dbias = torch.ops.snack_cpu.conv2d_backward(
-            dy, x, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
-            g.kernel, g.stride, g.dilation, g.zero_padding, needs_input, needs_values, needs_bias,
-        )  # fmt: skip
-        grads = (dx, dvalues, dbias)
-        return (*(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[:3])), None, None, None)
+            return (*gradients_by_recomputing(ctx.recompute, ctx.needs_input_grad[:3], x, values, bias, dy), *unused)
+        needs = tuple(ctx.needs_input_grad[:3])
+        grads = _backward(dy, x, values, ctx.topology, ctx.geometry, ctx.depthwise, needs)
+        return (*(grad if need else None for grad, need in zip(grads, needs)), *unused)
 
 
 def direct_conv_transpose2d(
@@ -182,10 +209,7 @@ class _DirectConvTranspose2d(torch.autograd.Function):
         dx = _forward(dy, values, None, topology, g) if needs_input else None
         dvalues = None
         if needs_values:  # c's values gradient, x in the role of its output gradient and dy in that of its input
-            dvalues = torch.ops.snack_cpu.conv2d_backward(
-                x, dy, values, topology.row, topology.col, topology.rowptr, topology.csc_perm, topology.colptr,
-                g.kernel, g.stride, g.dilation, g.zero_padding, False, True, False,
-            )[1]  # fmt: skip
+            dvalues = _backward(x, dy, values, topology, g, False, (False, True, False))[1]
         return dx, dvalues, dy.sum((0, 2, 3)) if needs_bias else None, *unused
 
 
