@@ -42,8 +42,8 @@ class SparseConv2d(_SparseConvNd):
     it as an ungrouped convolution whose connections all lie in their groups' blocks (each
     ``col`` moved to its group's block of ``in_channels · kh · kw`` columns): the layer keeps a
     second column index for that, ``nnz`` int32s and their column order, rebuilt with each
-    topology. Depthwise layers (``groups == in_channels``, 16 channels or more) run kernels of
-    their own on the CPU, on the layer's own topology.
+    topology. Depthwise layers (``groups == in_channels > 1``) run kernels of their own on the
+    CPU, on the layer's own topology.
 
     How it computes:
 
@@ -279,16 +279,18 @@ class SparseConv2d(_SparseConvNd):
             height, width = self._output_size(*x.shape[-2:], self._padding_amounts())
             if direct.rows_are_faster(topology.nnz, x.shape[0] * height * width, self._rows_width, training):
                 return None
+        # built (once per topology) also for depthwise layers: compiled code, which runs im2col, must
+        # find it built (see _unfolded)
+        unfolded = self._unfolded(topology)
 
         def recompute(x: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
             padded = self._padded(x) if zeros else x
-            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, self._unfolded(topology), bias))
+            return self._through_rows(padded, lambda rows: _sparse_linear(rows, values, unfolded, bias))
 
         x = x if zeros else self._padded(x)
         depthwise = direct.depthwise_kernels_run(self.in_channels, self.groups)
-        kernel_topology = topology if depthwise else self._unfolded(topology)
-        return direct.direct_conv2d(x.contiguous(), values, bias, kernel_topology, geometry, recompute,
-                                    training=training, depthwise=depthwise)  # fmt: skip
+        return direct.direct_conv2d(x.contiguous(), values, bias, topology if depthwise else unfolded, geometry,
+                                    recompute, training=training, depthwise=depthwise)  # fmt: skip
 
     def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
         """im2col as one autograd node that keeps ``x`` for the backward, not its rows
