@@ -9,7 +9,7 @@ has its whole gradient formed at once).
 from snack import dst, ops
 from snack.backends import available_backends, use_backend
 from snack.nn import (
-    SparseConv1d, SparseConv2d, SparseConvTranspose1d, SparseConvTranspose2d, SparseLinear, densify, sparsify,
+    SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseLinear, densify, sparsify,
 )
 from snack.topology import Topology
 
@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SparseConv1d",
     "SparseConv2d",
+    "SparseConv3d",
     "SparseConvTranspose1d",
     "SparseConvTranspose2d",
     "SparseLinear",

@@ -15,7 +15,7 @@
 
   A convolution's weight ``(out, in, kh, kw)`` gets the kernel-aware rule of Evci et al.,
   ``d_l = ε · (out + in + kh + kw) / (out · in · kh · kw)`` (a 1-D one's ``(out, in, k)``:
-  ``(out + in + k) / (out · in · k)``): every rule here is the sum of the weight's dimensions over
+  ``(out + in + k) / (out · in · k)``; a 3-D one's ``(out, in, kd, kh, kw)`` likewise): every rule here is the sum of the weight's dimensions over
   their product, and the budget below holds for any of them.
 
   A density above 1 is impossible, so such layers are made fully dense (density 1), their
@@ -37,8 +37,8 @@ __all__ = ["DISTRIBUTIONS", "erk_densities", "layer_sparsities"]
 
 
 def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[str, float]:
-    """ERK density per layer (name → ``(out, in)``, or a convolution's ``(out, in, kh, kw)`` or
-    ``(out, in, k)``) so the layers together keep ``density``.
+    """ERK density per layer (name → ``(out, in)``, or a convolution's ``(out, in, kh, kw)``,
+    ``(out, in, k)`` or ``(out, in, kd, kh, kw)``) so the layers together keep ``density``.
 
     Returns name → density in ``(0, 1]``; ``Σ d_l · n_l = density · Σ n_l`` (up to float error).
     Raises ``ValueError`` for a density outside ``(0, 1]`` or a layer with a side of 0.
@@ -49,11 +49,14 @@ def erk_densities(shapes: dict[str, tuple[int, ...]], density: float) -> dict[st
         raise ValueError(f"density must be in (0, 1], got {density!r}")
     for name, shape in shapes.items():
         try:
-            if len(shape) not in (2, 3, 4):
-                raise ValueError(f"a shape must be (out, in), (out, in, k) or (out, in, kh, kw), got {tuple(shape)}")
+            if len(shape) not in (2, 3, 4, 5):
+                raise ValueError(
+                    f"a shape must be (out, in), (out, in, k), (out, in, kh, kw) or (out, in, kd, kh, kw), got "
+                    f"{tuple(shape)}"
+                )
             check_shape(shape[0], shape[1])
-            if len(shape) > 2:
-                check_shape(shape[-1], shape[2])
+            for size in shape[2:]:  # the kernel's sizes
+                check_shape(size, size)
         except (TypeError, ValueError) as error:
             raise type(error)(f"layer {name!r}: {error}") from None
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}

@@ -416,17 +416,17 @@ def test_sparsify_warns_about_convolutions_it_leaves_dense():
 
     net = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Unflatten(1, (1, 4)), nn.Conv2d(1, 4, 3, padding=1),
                         Conv2dSubclass(4, 4, 1), nn.ConvTranspose2d(4, 2, 2), nn.Unflatten(1, (1, 2)),
-                        nn.Conv3d(1, 2, 1))  # fmt: skip
+                        nn.ConvTranspose3d(1, 2, 1), nn.Conv3d(2, 2, 1))  # fmt: skip
     with pytest.warns(UserWarning) as caught:
         model = snack.sparsify(net, 0.5)
     [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
-    assert message.startswith("sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (Conv3d). snack has 1-D "
-                              "and 2-D convolutions and transposed convolutions only")  # fmt: skip
-    assert isinstance(model[4], snack.SparseConvTranspose2d)
+    assert message.startswith("sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (ConvTranspose3d). snack "
+                              "has 1-D, 2-D and 3-D convolutions and 1-D and 2-D transposed convolutions only")  # fmt: skip
+    assert isinstance(model[4], snack.SparseConvTranspose2d) and isinstance(model[7], snack.SparseConv3d)
     assert isinstance(model[2], snack.SparseConv2d) and isinstance(model[0], snack.SparseConv1d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        snack.sparsify(nn.Sequential(nn.Conv3d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # excluded: quiet
+        snack.sparsify(nn.Sequential(nn.ConvTranspose3d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # quiet
 
 
 def test_erk_is_kernel_aware():

@@ -42,7 +42,7 @@ from snack.dst.checks import check_int
 from snack.dst.layers import find_layers, listed
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import DropSchedule, cubic_sparsity
-from snack.nn import SparseConv2d, SparseConvTranspose2d, SparseLinear
+from snack.nn import SparseConv2d, SparseConv3d, SparseConvTranspose2d, SparseLinear
 from snack.topology import check_sparsity
 
 __all__ = ["RigL", "SET", "DropGrow", "GradualPruning"]
@@ -76,7 +76,7 @@ class DropGrow(DynamicSparsity):
 
             def grow(self, layer, k):
                 x, dy = self.recorded_batch(layer)
-                convolutions = (snack.SparseConv2d, snack.SparseConvTranspose2d)
+                convolutions = (snack.SparseConv2d, snack.SparseConv3d, snack.SparseConvTranspose2d)
                 conv = layer if isinstance(layer, convolutions) else None  # its kernel, groups
                 return snack.dst.gradient_grow(x, dy, layer.topology, k, convolution=conv)
 
@@ -274,7 +274,7 @@ class RigL(DropGrow):
 
     def grow(self, layer, k):
         x, dy = self.recorded_as_kept(layer)  # a convolution's padded input, not its im2col rows
-        convolution = layer if isinstance(layer, (SparseConv2d, SparseConvTranspose2d)) else None
+        convolution = layer if isinstance(layer, (SparseConv2d, SparseConv3d, SparseConvTranspose2d)) else None
         return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
 
 

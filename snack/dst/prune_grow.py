@@ -18,7 +18,7 @@ from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 if TYPE_CHECKING:
-    from snack.nn import SparseConv2d, SparseConvTranspose2d
+    from snack.nn import SparseConv2d, SparseConv3d, SparseConvTranspose2d
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
@@ -79,7 +79,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 @torch.no_grad()
 def gradient_grow(
     x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS,
-    convolution: SparseConv2d | SparseConvTranspose2d | None = None,
+    convolution: SparseConv2d | SparseConv3d | SparseConvTranspose2d | None = None,
 ) -> Tensor:
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
@@ -110,7 +110,8 @@ def gradient_grow(
 
     Args:
         x: ``(B, in)`` layer inputs of the batch; with ``convolution``, its padded input ``(N, C,
-            Hp, Wp)`` (as :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it) or its
+            Hp, Wp)`` (a :class:`snack.SparseConv3d`'s ``(N, C, Dp, Hp, Wp)``; as
+            :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it) or its
             im2col rows ``(N · H_out · W_out, C · kh · kw)`` (as :meth:`recorded_batch` does).
         dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (a convolution's:
             ``(N · H_out · W_out, out)``, positions in row-major order). ``x`` and ``dy`` in
@@ -118,8 +119,9 @@ def gradient_grow(
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
         block_elements: how many scores one block may hold (a block has at least one row).
-        convolution: the :class:`snack.SparseConv2d` (or :class:`snack.SparseConvTranspose2d`)
-            whose padded input or rows ``x`` are (its kernel size, stride, dilation and groups).
+        convolution: the :class:`snack.SparseConv2d` (or :class:`snack.SparseConv3d`,
+            :class:`snack.SparseConvTranspose2d`) whose padded input or rows ``x`` are (its kernel
+            size, stride, dilation and groups).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -128,15 +130,17 @@ def gradient_grow(
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
     width = in_features if convolution is None else convolution._rows_width
-    if not (x.dim() == 2 and x.shape[1] == width or x.dim() == 4 and convolution is not None):
+    padded_dims = None if convolution is None else 2 + len(convolution._record_geometry[0])
+    if not (x.dim() == 2 and x.shape[1] == width or x.dim() == padded_dims):
         raise ValueError(
-            f"gradient_grow: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp) with "
-            f"convolution= the layer; got x of shape {tuple(x.shape)} and convolution={convolution!r}"
+            f"gradient_grow: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp; a 3-D one's "
+            f"(N, C, Dp, Hp, Wp)) with convolution= the layer; got x of shape {tuple(x.shape)} and "
+            f"convolution={convolution!r}"
             + (" (a convolution's rows need convolution= the layer)" if convolution is None and x.dim() == 2 else "")
         )
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    if x.dim() == 4 and x.shape[1] != convolution._window_channels:
+    if x.dim() > 2 and x.shape[1] != convolution._window_channels:
         raise ValueError(f"gradient_grow: x must have {convolution._window_channels} channels, got {tuple(x.shape)}")
     groups = 1 if convolution is None else convolution.groups
     if x.dim() == 2:
@@ -236,28 +240,35 @@ class _GradientScores:
 
 
 class _ConvolutionScores(_GradientScores):
-    """:class:`_GradientScores` of a convolution from its padded input ``x (N, C, Hp, Wp)``: a
-    block of rows is the weight gradient of a block of output channels, by torch's convolution
-    backward (oneDNN on the CPU), ``(rows, C / groups, kh, kw)``, the rows' order of
-    ``in_features``."""
+    """:class:`_GradientScores` of a convolution from its padded input ``x (N, C, Hp, Wp)`` (3-D:
+    ``(N, C, Dp, Hp, Wp)``): a block of rows is the weight gradient of a block of output channels,
+    by torch's convolution backward (oneDNN on the CPU), ``(rows, C / groups, *kernel)``, the rows'
+    order of ``in_features``."""
 
-    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, convolution: SparseConv2d | SparseConvTranspose2d):
+    def __init__(
+        self,
+        x: Tensor,
+        dy: Tensor,
+        topology: Topology,
+        convolution: SparseConv2d | SparseConv3d | SparseConvTranspose2d,
+    ):
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x = x.to(self.dtype)
         self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)
         self.topology, self.groups = topology, convolution.groups
         self.native = False
-        self.geometry = convolution._kernel2d, convolution._stride2d, convolution._dilation2d
+        self.geometry = convolution._record_geometry
 
     def _keys(self, rows: slice) -> Tensor:
-        (kh, kw), stride, dilation = self.geometry
+        kernel, stride, dilation = self.geometry
+        weight_gradient = torch.nn.grad.conv3d_weight if len(kernel) == 3 else torch.nn.grad.conv2d_weight
         channels = self.x.shape[1] // self.groups  # of one group
         parts = []
         for piece, first, last in _group_pieces(rows, self.topology.shape[0], self.groups):
             dy = self.dy[:, piece]
-            weight_size = (dy.shape[1], channels, kh, kw)
+            weight_size = (dy.shape[1], channels, *kernel)
             x = self.x[:, first * channels : last * channels]
-            parts.append(torch.nn.grad.conv2d_weight(x, weight_size, dy, stride, 0, dilation, last - first))
+            parts.append(weight_gradient(x, weight_size, dy, stride, 0, dilation, last - first))
         gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
         return ordering_keys(gradient.abs_().view(-1))
 

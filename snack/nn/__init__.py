@@ -1,12 +1,13 @@
 """Sparse layers: :class:`SparseLinear`, a truly sparse drop-in for ``nn.Linear``,
 :class:`SparseConv2d` for ``nn.Conv2d``, :class:`SparseConv1d` for ``nn.Conv1d``,
+:class:`SparseConv3d` for ``nn.Conv3d``,
 :class:`SparseConvTranspose2d` and :class:`SparseConvTranspose1d` for ``nn.ConvTranspose2d`` and
 ``nn.ConvTranspose1d``, and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
 ``layer`` holds the linear layer, ``conv`` the convolution (``conv_base`` what it shares with
 ``conv_transpose``, the transposed one; ``conv_rows`` its im2col training node, ``conv1d`` and
-``conv_transpose1d`` the 1-D ones built on them), ``convert`` the model conversion,
+``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` the 3-D one), ``convert`` the model conversion,
 ``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and ``torch.export`` call for a
 layer, ``locking`` the lock that keeps rewires atomic for forwards in other threads.
 """
@@ -14,13 +15,14 @@ layer, ``locking`` the lock that keeps rewires atomic for forwards in other thre
 from snack.nn import tracing
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
+from snack.nn.conv3d import SparseConv3d
 from snack.nn.conv_transpose import SparseConvTranspose2d
 from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.convert import densify, sparsify
 from snack.nn.layer import SparseLinear
 
 __all__ = [
-    "SparseConv1d", "SparseConv2d", "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseLinear", "densify",
+    "SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConvTranspose1d", "SparseConvTranspose2d", "SparseLinear", "densify",
     "sparsify",
 ]
 
@@ -29,6 +31,7 @@ __all__ = [
 SparseLinear.__module__ = __name__
 SparseConv2d.__module__ = __name__
 SparseConv1d.__module__ = __name__
+SparseConv3d.__module__ = __name__
 SparseConvTranspose2d.__module__ = __name__
 SparseConvTranspose1d.__module__ = __name__
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,177 @@ from snack.topology import coo_from_dense
 __all__ = ["SparseConv2d"]
 
 
-class SparseConv2d(_SparseConvNd):
+class _SparseConvolution(_SparseConvNd):
+    """What :class:`SparseConv2d` (and :class:`SparseConv1d`) and :class:`snack.SparseConv3d`
+    share: the constructors, the padding, the im2col path and the conversions, for ``_dims``
+    spatial dimensions. Subclasses compute the forward."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        geometry = self._checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
+        _check_channels(in_channels, out_channels, geometry, type(self).__name__)
+        in_features = int(in_channels) // geometry["groups"] * math.prod(geometry["kernel_size"])
+        super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
+        self._set_geometry(int(in_channels), geometry)
+
+    @property
+    def out_channels(self) -> int:
+        return self.out_features
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_dense(
+        cls,
+        conv_or_weight: nn.Module | Tensor,
+        *,
+        sparsity: float | None = None,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        padding_mode: str = "zeros",
+    ) -> Self:
+        """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
+        ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
+        used) or of an ``(out_channels, in_channels / groups, kh, kw)`` weight tensor (with
+        ``bias``, ``stride``, ``padding``, ``dilation``, ``groups``, ``padding_mode`` given here).
+        Parameters are copies. (:class:`SparseConv1d`: of an ``nn.Conv1d`` or an ``(out_channels,
+        in_channels / groups, k)`` weight; :class:`snack.SparseConv3d`: of an ``nn.Conv3d`` or an
+        ``(out_channels, in_channels / groups, kd, kh, kw)`` weight.)"""
+        dense_name = f"nn.{cls._dense_class.__name__}"
+        if isinstance(conv_or_weight, cls._dense_class):
+            conv = conv_or_weight
+            given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                         padding_mode=padding_mode)  # fmt: skip
+            defaults = dict(bias=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros")
+            if given != defaults:
+                raise ValueError(
+                    "from_dense: bias, stride, padding, dilation, groups and padding_mode must not be given with an "
+                    f"{dense_name}; its own are used"
+                )
+            if conv._forward_pre_hooks:
+                raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
+            weight, bias = conv.weight, conv.bias
+            stride, padding, dilation, groups = conv.stride, conv.padding, conv.dilation, conv.groups
+            padding_mode = conv.padding_mode
+        elif isinstance(conv_or_weight, Tensor):
+            weight = conv_or_weight
+            if weight.dim() != 2 + cls._dims:
+                raise ValueError(f"conv_or_weight: a weight must be {cls._weight_shape()}, got {tuple(weight.shape)}")
+        else:
+            raise TypeError(f"conv_or_weight must be an {dense_name} or a Tensor, got {type(conv_or_weight).__name__}")
+        _reject_meta(weight.device)
+        out_channels, group_channels, *kernel = weight.shape
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
+        in_channels = _channels_of_weight(weight.shape, geometry, "conv_or_weight", cls.__name__)
+        row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
+        layer = cls._from_parts(group_channels * math.prod(kernel), out_channels, row, col, values,
+                                _copied_bias(bias, out_channels, weight.dtype))  # fmt: skip
+        layer._set_geometry(in_channels, geometry)
+        return layer
+
+    @classmethod
+    def from_coo(
+        cls,
+        row: Tensor,
+        col: Tensor,
+        values: Tensor,
+        shape: tuple[int, ...],
+        *,
+        bias: Tensor | None = None,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] | str = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        padding_mode: str = "zeros",
+    ) -> Self:
+        """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
+        ``col`` the position in ``in_channels / groups · kh · kw`` (``c · kh · kw + i · kw + j``, ``c``
+        counted within the output channel's group), in any order, without duplicates; ``shape`` is
+        the dense weight's, ``(out_channels, in_channels / groups, kh, kw)`` (:class:`SparseConv1d`:
+        ``col`` is ``c · k + j`` and ``shape`` ``(out_channels, in_channels / groups, k)``;
+        :class:`snack.SparseConv3d`: ``col`` is ``c · kd · kh · kw + (i · kh + j) · kw + l`` and
+        ``shape`` ``(out_channels, in_channels / groups, kd, kh, kw)``)."""
+        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
+            raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
+        out_channels, group_channels, *kernel = shape
+        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
+        in_channels = _channels_of_weight(shape, geometry, "shape", cls.__name__)
+        kernel_size = math.prod(geometry["kernel_size"])
+        linear = SparseLinear.from_coo(row, col, values, (out_channels, group_channels * kernel_size), bias=bias)
+        layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
+                                linear.values.data, None if linear.bias is None else linear.bias.data)  # fmt: skip
+        layer._set_geometry(in_channels, geometry)
+        return layer
+
+    def _padded(self, x: Tensor) -> Tensor:
+        """``x (N, C, *spatial)`` with the padding applied (:meth:`_padding_amounts`, in ``F.pad``'s
+        order: left, right, top, bottom, and front, back for a 3-D layer)."""
+        amounts = self._padding_amounts()
+        if not any(amounts):
+            return x
+        return F.pad(x, amounts, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
+
+    def _through_rows(self, x: Tensor, linear) -> Tensor:
+        """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
+        ``(rows, out_channels)``), back to ``(N, out_channels, *output sizes)`` (in channels-last
+        memory order: no copy)."""
+        rows, sizes = self._im2col(x)
+        return linear(rows).view(*sizes, self.out_features).movedim(-1, 1)
+
+    def _fx_root_forward(self, input):
+        col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)
+        return self._through_rows(self._padded(input), lambda rows: tracing.fx_sparse_linear(
+            rows, self.values, self.bias, self.row, col, self.out_features, self._rows_width
+        ))  # fmt: skip
+
+    # ------------------------------------------------------------------ conversion
+
+    @classmethod
+    def _random_like(cls, conv: nn.Module, sparsity: float) -> Self:
+        """A layer of ``conv``'s geometry with a random topology (``sparsify(init="random")``)."""
+        weight = conv.weight
+        return cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                   conv.groups, conv.bias is not None, conv.padding_mode, sparsity=sparsity, device=weight.device,
+                   dtype=weight.dtype)  # fmt: skip
+
+    def _dense_arguments(self) -> dict:
+        """The dense layer's constructor arguments for this layer's geometry (``densify``)."""
+        return dict(in_channels=self.in_channels, out_channels=self.out_channels, kernel_size=self.kernel_size,
+                    stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
+                    bias=self.bias is not None, padding_mode=self.padding_mode)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.in_channels}, {self.out_channels}", f"kernel_size={self.kernel_size}", f"stride={self.stride}"]
+        if self.padding != (0,) * self._dims:
+            parts.append(f"padding={self.padding!r}")
+        if self.dilation != (1,) * self._dims:
+            parts.append(f"dilation={self.dilation}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
+        if self.padding_mode != "zeros":
+            parts.append(f"padding_mode={self.padding_mode!r}")
+        parts.append(f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
+        return ", ".join(parts)
+
+
+class SparseConv2d(_SparseConvolution):
     """A 2-D convolution whose kernel stores only its ``nnz`` connections.
 
     Input ``(N, C_in, H, W)`` or ``(C_in, H, W)``, output ``(N, C_out, H_out, W_out)`` (or without
@@ -70,120 +241,9 @@ class SparseConv2d(_SparseConvNd):
         device, dtype: of the parameters.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | tuple[int, int],
-        stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = 0,
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        *,
-        sparsity: float = 0.9,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ):
-        geometry = self._checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode)
-        _check_channels(in_channels, out_channels, geometry, type(self).__name__)
-        in_features = int(in_channels) // geometry["groups"] * math.prod(geometry["kernel_size"])
-        super().__init__(in_features, out_channels, bias, sparsity=sparsity, device=device, dtype=dtype)
-        self._set_geometry(int(in_channels), geometry)
-
     # the dense layer it replaces and its spatial dimensions (SparseConv1d: nn.Conv1d, 1)
     _dense_class: type[nn.Module] = nn.Conv2d
     _dims = 2
-
-    @property
-    def out_channels(self) -> int:
-        return self.out_features
-
-    # ------------------------------------------------------------------ constructors
-
-    @classmethod
-    def from_dense(
-        cls,
-        conv_or_weight: nn.Conv2d | Tensor,
-        *,
-        sparsity: float | None = None,
-        bias: Tensor | None = None,
-        stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = 0,
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        padding_mode: str = "zeros",
-    ) -> SparseConv2d:
-        """A sparse layer holding the non-zeros (``sparsity=None``) or the largest-magnitude
-        ``round((1 - sparsity) · numel)`` weights of an ``nn.Conv2d`` (its geometry and bias are
-        used) or of an ``(out_channels, in_channels / groups, kh, kw)`` weight tensor (with
-        ``bias``, ``stride``, ``padding``, ``dilation``, ``groups``, ``padding_mode`` given here).
-        Parameters are copies. (:class:`SparseConv1d`: of an ``nn.Conv1d`` or an ``(out_channels,
-        in_channels / groups, k)`` weight.)"""
-        dense_name = f"nn.{cls._dense_class.__name__}"
-        if isinstance(conv_or_weight, cls._dense_class):
-            conv = conv_or_weight
-            given = dict(bias=bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
-                         padding_mode=padding_mode)  # fmt: skip
-            defaults = dict(bias=None, stride=1, padding=0, dilation=1, groups=1, padding_mode="zeros")
-            if given != defaults:
-                raise ValueError(
-                    "from_dense: bias, stride, padding, dilation, groups and padding_mode must not be given with an "
-                    f"{dense_name}; its own are used"
-                )
-            if conv._forward_pre_hooks:
-                raise ValueError(f"conv_or_weight: {PRE_HOOKS_REASON}; remove them first")
-            weight, bias = conv.weight, conv.bias
-            stride, padding, dilation, groups = conv.stride, conv.padding, conv.dilation, conv.groups
-            padding_mode = conv.padding_mode
-        elif isinstance(conv_or_weight, Tensor):
-            weight = conv_or_weight
-            if weight.dim() != 2 + cls._dims:
-                raise ValueError(f"conv_or_weight: a weight must be {cls._weight_shape()}, got {tuple(weight.shape)}")
-        else:
-            raise TypeError(f"conv_or_weight must be an {dense_name} or a Tensor, got {type(conv_or_weight).__name__}")
-        _reject_meta(weight.device)
-        out_channels, group_channels, *kernel = weight.shape
-        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
-        in_channels = _channels_of_weight(weight.shape, geometry, "conv_or_weight", cls.__name__)
-        row, col, values = coo_from_dense(weight.reshape(out_channels, -1), sparsity)
-        layer = cls._from_parts(group_channels * math.prod(kernel), out_channels, row, col, values,
-                                _copied_bias(bias, out_channels, weight.dtype))  # fmt: skip
-        layer._set_geometry(in_channels, geometry)
-        return layer
-
-    @classmethod
-    def from_coo(
-        cls,
-        row: Tensor,
-        col: Tensor,
-        values: Tensor,
-        shape: tuple[int, int, int, int],
-        *,
-        bias: Tensor | None = None,
-        stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = 0,
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        padding_mode: str = "zeros",
-    ) -> SparseConv2d:
-        """A sparse layer from coordinates into the flattened kernel: ``row`` the output channel,
-        ``col`` the position in ``in_channels / groups · kh · kw`` (``c · kh · kw + i · kw + j``, ``c``
-        counted within the output channel's group), in any order, without duplicates; ``shape`` is
-        the dense weight's, ``(out_channels, in_channels / groups, kh, kw)`` (:class:`SparseConv1d`:
-        ``col`` is ``c · k + j`` and ``shape`` ``(out_channels, in_channels / groups, k)``)."""
-        if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2 + cls._dims):
-            raise ValueError(f"shape must be {cls._weight_shape()}, got {shape!r}")
-        out_channels, group_channels, *kernel = shape
-        geometry = cls._checked_geometry(tuple(kernel), stride, padding, dilation, groups, padding_mode)
-        in_channels = _channels_of_weight(shape, geometry, "shape", cls.__name__)
-        kernel_size = math.prod(geometry["kernel_size"])
-        linear = SparseLinear.from_coo(row, col, values, (out_channels, group_channels * kernel_size), bias=bias)
-        layer = cls._from_parts(linear.in_features, linear.out_features, linear.row, linear.col,
-                                linear.values.data, None if linear.bias is None else linear.bias.data)  # fmt: skip
-        layer._set_geometry(in_channels, geometry)
-        return layer
 
     # ------------------------------------------------------------------ forward
 
@@ -202,13 +262,6 @@ class SparseConv2d(_SparseConvNd):
         if y is None:
             y = self._through_rows(self._padded(x), self._product)
         return y if batched else y.squeeze(0)
-
-    def _padded(self, x: Tensor) -> Tensor:
-        """``x (N, C, H, W)`` with the padding applied (``F.pad`` order: left, right, top, bottom)."""
-        amounts = self._padding_amounts()
-        if not any(amounts):
-            return x
-        return F.pad(x, amounts, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
 
     def _padding_amounts(self) -> tuple[int, int, int, int]:
         if self.padding == "valid":
@@ -305,19 +358,6 @@ class SparseConv2d(_SparseConvNd):
                            lambda padded: self._im2col(padded)[0], cast_from)  # fmt: skip
         return self._output_of_rows(rows, cast_x, geometry.zero_padding)
 
-    def _through_rows(self, x: Tensor, linear) -> Tensor:
-        """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
-        ``(rows, out_channels)``), back to ``(N, out_channels, H_out, W_out)`` (in channels-last
-        memory order: no copy)."""
-        rows, (n, height, width) = self._im2col(x)
-        return linear(rows).view(n, height, width, self.out_features).permute(0, 3, 1, 2)
-
-    def _fx_root_forward(self, input):
-        col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)
-        return self._through_rows(self._padded(input), lambda rows: tracing.fx_sparse_linear(
-            rows, self.values, self.bias, self.row, col, self.out_features, self._rows_width
-        ))  # fmt: skip
-
     # ------------------------------------------------------------------ rows for RigL
 
     def _record_of_input(self, x: Tensor) -> Tensor:
@@ -334,34 +374,6 @@ class SparseConv2d(_SparseConvNd):
         out_channels)``, row for row with :meth:`_rows_of_record`."""
         return y.movedim(-3, -1).reshape(-1, self.out_features)
 
-    # ------------------------------------------------------------------ conversion
-
-    @classmethod
-    def _random_like(cls, conv: nn.Conv2d, sparsity: float) -> SparseConv2d:
-        """A layer of ``conv``'s geometry with a random topology (``sparsify(init="random")``)."""
-        weight = conv.weight
-        return cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-                   conv.groups, conv.bias is not None, conv.padding_mode, sparsity=sparsity, device=weight.device,
-                   dtype=weight.dtype)  # fmt: skip
-
-    def _dense_arguments(self) -> dict:
-        """The dense layer's constructor arguments for this layer's geometry (``densify``)."""
-        return dict(in_channels=self.in_channels, out_channels=self.out_channels, kernel_size=self.kernel_size,
-                    stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
-                    bias=self.bias is not None, padding_mode=self.padding_mode)  # fmt: skip
-
-    def extra_repr(self) -> str:
-        parts = [f"{self.in_channels}, {self.out_channels}", f"kernel_size={self.kernel_size}", f"stride={self.stride}"]
-        if self.padding != (0,) * self._dims:
-            parts.append(f"padding={self.padding!r}")
-        if self.dilation != (1,) * self._dims:
-            parts.append(f"dilation={self.dilation}")
-        if self.groups != 1:
-            parts.append(f"groups={self.groups}")
-        if self.padding_mode != "zeros":
-            parts.append(f"padding_mode={self.padding_mode!r}")
-        parts.append(f"nnz={self.nnz}, sparsity={self.sparsity:.4f}, bias={self.bias is not None}")
-        return ", ".join(parts)
 
 
 SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py

@@ -40,6 +40,8 @@ class _SparseConvNd(SparseLinear):
 
     @classmethod
     def _weight_shape(cls) -> str:
+        if cls._dims == 3:
+            return "(out_channels, in_channels / groups, kd, kh, kw)"
         if cls._dims == 2:
             return "(out_channels, in_channels / groups, kh, kw)"
         return "(out_channels, in_channels / groups, kernel_size)"
@@ -70,6 +72,12 @@ class _SparseConvNd(SparseLinear):
     @property
     def _padding2d(self) -> tuple[int, int] | str:
         return self.padding if isinstance(self.padding, str) else _as_2d(self.padding, 0)
+
+    @property
+    def _record_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(kernel, stride, dilation)`` of the padded input RigL records (:meth:`_record_of_input`):
+        2-D here (a 1-D layer's record is of height 1), 3-D for :class:`snack.SparseConv3d`."""
+        return self._kernel2d, self._stride2d, self._dilation2d
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
         """``(H_out, W_out)`` of an input of ``height × width`` padded by ``padding`` (left, right,
@@ -155,7 +163,7 @@ class _SparseConvNd(SparseLinear):
     def _window_channels(self) -> int:
         """Channels of the tensor whose windows the rows are: ``in_channels`` (a transposed
         convolution's: its ``out_channels``)."""
-        return self._rows_width // math.prod(self._kernel2d)
+        return self._rows_width // math.prod(self.kernel_size)
 
     # ------------------------------------------------------------------ rows for RigL
 
@@ -196,7 +204,7 @@ def _as_2d(sizes: tuple[int, ...], height: int) -> tuple[int, int]:
 
 
 def _checked_geometry(kernel_size, stride, padding, dilation, groups, padding_mode, dims: int, layer: str) -> dict:
-    """``nn.Conv2d``'s (``dims=2``) or ``nn.Conv1d``'s (1) geometry arguments, checked, as the
+    """``nn.Conv2d``'s (``dims=2``), ``nn.Conv1d``'s (1) or ``nn.Conv3d``'s (3) geometry arguments, checked, as the
     layer's attributes (tuples of ``dims`` ints; ``padding`` may be ``"valid"`` or ``"same"``;
     ``groups`` an int, whose fit to the channels :func:`_check_channels` checks)."""
     if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 1:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from snack.distributions import layer_sparsities
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
+from snack.nn.conv3d import SparseConv3d
 from snack.nn.conv_base import _SparseConvNd
 from snack.nn.conv_transpose import SparseConvTranspose2d
 from snack.nn.conv_transpose1d import SparseConvTranspose1d
@@ -25,7 +26,7 @@ __all__ = ["densify", "sparsify"]
 
 # the convolutions sparsify converts (the classes themselves), and into what
 SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[_SparseConvNd]] = {
-    nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d,
+    nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d, nn.Conv3d: SparseConv3d,
     nn.ConvTranspose2d: SparseConvTranspose2d, nn.ConvTranspose1d: SparseConvTranspose1d,
 }
 
@@ -122,7 +123,7 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
-    other_convolutions: list[str]  # 3-D convolutions (and subclasses of the converted ones)
+    other_convolutions: list[str]  # 3-D transposed convolutions (and subclasses of the converted ones)
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -159,8 +160,9 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
-            "has 1-D and 2-D convolutions and transposed convolutions only (nn.Conv1d, nn.Conv2d, nn.ConvTranspose1d "
-            "and nn.ConvTranspose2d themselves), not 3-D ones; exclude them to silence this warning.",
+            "has 1-D, 2-D and 3-D convolutions and 1-D and 2-D transposed convolutions only (nn.Conv1d, nn.Conv2d, "
+            "nn.Conv3d, nn.ConvTranspose1d and nn.ConvTranspose2d themselves), not 3-D transposed ones; exclude them "
+            "to silence this warning.",
             stacklevel=3,
         )
     if subclassed:
@@ -195,9 +197,10 @@ def sparsify(
     init: str = "magnitude",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.ConvTranspose2d`` and
-    ``nn.ConvTranspose1d`` layers with :class:`SparseConv2d`, :class:`SparseConv1d`,
-    :class:`SparseConvTranspose2d` and :class:`SparseConvTranspose1d`, in place.
+    :class:`SparseLinear`, and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
+    ``nn.ConvTranspose2d`` and ``nn.ConvTranspose1d`` layers with :class:`SparseConv2d`,
+    :class:`SparseConv1d`, :class:`SparseConv3d`, :class:`SparseConvTranspose2d` and
+    :class:`SparseConvTranspose1d`, in place.
 
     Args:
         sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
@@ -223,8 +226,8 @@ def sparsify(
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
     kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
     depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
-    large ones (README, *A CIFAR MobileNetV2*). 3-D convolutions (and subclasses of the converted
-    convolutions) stay dense, with a warning.
+    large ones (README, *A CIFAR MobileNetV2*). 3-D transposed convolutions (and subclasses of the
+    converted convolutions) stay dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.

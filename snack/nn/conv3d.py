@@ -1,0 +1,423 @@
+"""``SparseConv3d``, a truly sparse drop-in for ``nn.Conv3d`` (grouped and depthwise ones too).
+
+On the CPU it runs the 2-D direct kernels (``snack/backends/cpu/conv_kernels.cpp``, depthwise
+layers ``depthwise_kernels.cpp``) on the padded input laid out as one 2-D plane: at stride 1 its
+planes end to end, ``(N, C, Dp · Hp, Wp)``, where kernel tap ``(i, j, l)`` reads row ``i · dd · Hp
++ j · dh`` and column ``l · dw`` from output position ``(od · Hp + oh, ow)``. So the layer is a
+2-D convolution of a tall kernel (``(kd - 1) · dd · Hp + (kh - 1) · dh + 1`` rows) holding its
+connections at those taps (:meth:`SparseConv3d._flattened`). With strides, every stride phase of
+every dimension becomes a block of rows of its own (:class:`_PlaneLayout`), so that each tap is
+again one 2-D tap and the 2-D convolution runs at stride 1, unpadded: the 2-D kernels then lay
+nothing out (at stride 2 their own phase split of this tall plane cost more than their multiply-
+adds). The output rows and columns that straddle two planes are computed and dropped: ``(kh - 1)
+· dh`` of every ``Hp`` rows at stride 1 (2 of 18 for a 3×3×3 kernel on 16³ inputs), as a 2-D
+convolution's flat walk drops ``(kw - 1) · dw`` columns of every row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from snack import backends
+from snack.backends import full
+from snack.backends.cpu import conv as direct
+from snack.func import transforms_active
+from snack.nn import tracing
+from snack.nn.conv import _SparseConvolution
+from snack.nn.conv_base import _no_tracer_warnings
+from snack.ops import _sparse_linear
+from snack.topology import INDEX_DTYPE, Topology, _outside_transient_modes
+
+__all__ = ["SparseConv3d"]
+
+# the largest int32 column of a flattened kernel (its width must fit the native kernels' indices)
+_INT32_MAX = 2**31 - 1
+
+
+class SparseConv3d(_SparseConvolution):
+    """A 3-D convolution whose kernel stores only its ``nnz`` connections.
+
+    Input ``(N, C_in, D, H, W)`` or ``(C_in, D, H, W)``, output ``(N, C_out, D_out, H_out, W_out)``
+    (or without ``N``), with ``nn.Conv3d``'s arguments and output size. The weight is the sparse
+    ``(out_channels, in_channels / groups · kd · kh · kw)`` matrix ``nn.Conv3d``'s weight is when
+    flattened: connection ``(o, col)`` joins output channel ``o`` to input channel ``col // (kd·kh·kw)``
+    of its group at kernel tap ``(i, j, l)``, ``col % (kd·kh·kw) = (i · kh + j) · kw + l``. As
+    :class:`SparseConv2d` it is a :class:`SparseLinear` with ``in_features = in_channels / groups
+    · kd · kh · kw``: topology, state_dict, ``sparsify``/``densify`` and every :mod:`snack.dst`
+    algorithm work on it (RigL scores growth with torch's 3-D convolution backward, from the
+    padded input), and :meth:`to_dense` gives the ``(out_channels, in_channels / groups, kd, kh,
+    kw)`` weight.
+
+    How it computes:
+
+    * on the CPU, float32 and float64, eagerly: the 2-D direct sparse kernels on the padded
+      input laid out as one plane (the module docstring), nothing unfolded; the laid-out input is
+      one copy (two with a stride: the padding, then the phases), kept for the backward; except
+      where im2col rows are faster (few output positions for the connections,
+      :func:`snack.backends.cpu.conv.rows_are_faster`);
+    * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing,
+      ``torch.func`` transforms, a forced backend): im2col, the input's windows unfolded into
+      ``(N · D_out · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The
+      rows hold ``kd · kh · kw`` copies of the input, and a training step keeps them for its
+      backward;
+    * a layer holding every connection: ``F.conv3d`` on ``values`` viewed as the dense weight,
+      unless a backend is forced.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, padding_mode: as for
+            ``nn.Conv3d`` (``padding`` an int, a triple, ``"valid"`` or ``"same"``).
+        groups: as for ``nn.Conv3d``: it divides ``in_channels`` and ``out_channels``.
+        bias: learn an additive bias per output channel.
+        sparsity: fraction of zero connections in ``[0, 1)``, drawn uniformly at random.
+        device, dtype: of the parameters.
+    """
+
+    _dense_class: type[nn.Module] = nn.Conv3d
+    _dims = 3
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int, int],
+        stride: int | tuple[int, int, int] = 1,
+        padding: int | tuple[int, int, int] | str = 0,
+        dilation: int | tuple[int, int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+                         sparsity=sparsity, device=device, dtype=dtype)  # fmt: skip
+
+    def _set_geometry(self, in_channels: int, geometry: dict) -> None:
+        super()._set_geometry(in_channels, geometry)
+        self._flattened_cache: tuple | None = None  # see _flattened
+
+    # ------------------------------------------------------------------ geometry
+
+    @property
+    def _record_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        return self.kernel_size, self.stride, self.dilation
+
+    def _padding_amounts(self) -> tuple[int, int, int, int, int, int]:
+        """Padding in ``F.pad``'s order: left, right, top, bottom, front, back."""
+        if self.padding == "valid":
+            return (0,) * 6
+        if self.padding == "same":  # as nn.Conv3d: an odd total puts the extra plane, row, column last
+            totals = [d * (k - 1) for k, d in zip(self.kernel_size, self.dilation)]
+            return tuple(amount for total in reversed(totals) for amount in (total // 2, total - total // 2))
+        pd, ph, pw = self.padding
+        return (pw, pw, ph, ph, pd, pd)
+
+    def _padded_sizes(self, x: Tensor) -> tuple[int, int, int]:
+        """``(Dp, Hp, Wp)`` of ``x (N, C, D, H, W)`` once padded."""
+        left, right, top, bottom, front, back = self._padding_amounts()
+        depth, height, width = x.shape[-3:]
+        return depth + front + back, height + top + bottom, width + left + right
+
+    def _output_size(self, *padded: int) -> tuple[int, int, int]:
+        """``(D_out, H_out, W_out)`` of a padded input of sizes ``(Dp, Hp, Wp)``."""
+        return tuple((size - d * (k - 1) - 1) // s + 1
+                     for size, k, s, d in zip(padded, self.kernel_size, self.stride, self.dilation))  # fmt: skip
+
+    def _check_input(self, input: Tensor, x: Tensor) -> None:
+        """Raise for an input of another number of channels or dimensions, or smaller than the
+        (dilated) kernel once padded; ``x`` is ``input`` with a batch dimension."""
+        if input.dim() not in (4, 5) or input.shape[-4] != self.in_channels:
+            raise ValueError(
+                f"SparseConv3d(in_channels={self.in_channels}): input must have shape (N, {self.in_channels}, D, H, W) "
+                f"or ({self.in_channels}, D, H, W), got {tuple(input.shape)}"
+            )
+        padded = self._padded_sizes(x)
+        spans = tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+        if any(size < span for size, span in zip(padded, spans)):
+            raise ValueError(f"SparseConv3d: the input, padded to {padded}, is smaller than the dilated kernel {spans}")
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``input (N, in_channels, D, H, W)`` or ``(in_channels, D, H, W)`` → ``(N, out_channels,
+        D_out, H_out, W_out)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_forward(input)
+        if not isinstance(input, Tensor):
+            raise TypeError(f"SparseConv3d expects a Tensor input, got {type(input).__name__}")
+        batched = input.dim() == 5
+        x = input if batched else input.unsqueeze(0)
+        with _no_tracer_warnings():
+            self._check_input(input, x)
+        y = self._fast_forward(x)
+        if y is None:
+            y = self._through_rows(self._padded(x), self._product)
+        return y if batched else y.squeeze(0)
+
+    def _fast_forward(self, x: Tensor) -> Tensor | None:
+        """The convolution of unpadded ``x`` in eager code, of the layer's dtype outside autocast:
+        ``F.conv3d`` for a full topology, else the native kernels where they apply and im2col rows
+        would not be faster; ``None`` elsewhere (the im2col path runs)."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
+            return None
+        values, bias, topology = self._consistent_state()
+        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
+            return None  # the im2col path's checks name the problem
+        if x.device != values.device or x.dtype != values.dtype or torch._C._is_any_autocast_enabled():
+            return None
+        forced = backends.forced_backend()
+        if forced is None and full.applies(x.device, topology.tensors()):
+            weight = values.view(self.out_channels, -1, *self.kernel_size)
+            # zero padding inside F.conv3d, as nn.Conv3d does: no padded copy kept for the backward
+            padding, x = (self.padding, x) if self.padding_mode == "zeros" else (0, self._padded(x))
+            return F.conv3d(x, weight, bias, self.stride, padding, self.dilation, self.groups)
+        if not direct.applies(x, values):
+            return None
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
+        if forced is None:
+            positions = x.shape[0] * math.prod(self._output_size(*self._padded_sizes(x)))
+            if direct.rows_are_faster(topology.nnz, positions, self._rows_width, training):
+                return None
+        return self._direct(x, values, bias, topology, training)
+
+    def _direct(
+        self, x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology, training: bool
+    ) -> Tensor | None:
+        """The 2-D direct kernels on ``x (N, C, D, H, W)`` laid out as one plane (the module
+        docstring, :class:`_PlaneLayout`); ``None`` where the flattened kernel's columns would
+        overflow int32."""
+        layout = _PlaneLayout(self, x)
+        depthwise = direct.depthwise_kernels_run(self.in_channels, self.groups)
+        flattened = self._flattened(topology, layout, depthwise)
+        if flattened is None:
+            return None
+        kernel, order = flattened
+        if self.padding_mode == "zeros":
+            plane = layout.plane_of(x, self._padding_amounts())
+        else:
+            plane = layout.plane_of(self._padded(x), (0,) * 6)
+        geometry = direct.ConvGeometry(layout.kernel, (1, 1), (1, 1), (0, 0, 0, 0))
+        unfolded = self._unfolded(topology)
+
+        def recompute(plane: Tensor, kernel_values: Tensor, bias: Tensor | None) -> Tensor:
+            # by im2col on the padded input, in the 2-D kernel's output rows (the unused ones zero:
+            # their output gradient is zero)
+            layer_values = kernel_values if order is None else _in_layer_order(kernel_values, order)
+            volume = layout.volume_of(plane)
+            y = self._through_rows(volume, lambda rows: _sparse_linear(rows, layer_values, unfolded, bias))
+            return layout.output_plane_of(y)
+
+        kernel_values = values if order is None else _in_kernel_order(values, order)
+        y = direct.direct_conv2d(plane, kernel_values, bias, kernel, geometry, recompute, training=training,
+                                 depthwise=depthwise)  # fmt: skip
+        return layout.output_of(y).contiguous()  # as nn.Conv3d's: a later .view() must work
+
+    def _flattened(self, topology: Topology, layout: _PlaneLayout, depthwise: bool) -> tuple | None:
+        """``(kernel, order)``: the 2-D kernel of ``layout.kernel`` taps that computes the layer on
+        ``layout``'s plane, and the order of its connections among the layer's (``None``: the
+        same). Tap ``(i, j, l)`` of input channel ``c`` becomes column ``(c · kernel_height +
+        row_offset(i, j, l)) · kernel_width + column_offset(l)`` (over all input channels, a grouped
+        layer's connections in their groups' blocks; one channel for the depthwise kernels). With a
+        stride the offsets do not grow with the tap (the phases interleave), and the kernel's
+        connections are sorted anew. ``None`` past int32. Built once per topology and layout."""
+        key = (layout.key, depthwise)
+        cached = self._flattened_cache
+        if cached is not None and cached[0] is topology and cached[1] == key:
+            return cached[2]
+        kernel_height, kernel_width = layout.kernel
+        width = (1 if depthwise else self.in_channels) * kernel_height * kernel_width
+        if width > _INT32_MAX:
+            return None
+        kernel = topology if depthwise else self._unfolded(topology)
+        taps = math.prod(self.kernel_size)
+
+        def build() -> tuple[Tensor, Tensor, Tensor | None]:
+            col = kernel.col.long()
+            channel, tap = col.div(taps, rounding_mode="floor"), col.remainder(taps)
+            offset = torch.tensor(layout.tap_offsets, device=col.device)[tap]
+            flat_col = channel * (kernel_height * kernel_width) + offset
+            positions = kernel.row.long() * width + flat_col
+            if bool((positions[1:] > positions[:-1]).all()):
+                return kernel.row, flat_col.to(INDEX_DTYPE), None
+            order = positions.argsort()
+            return kernel.row[order], flat_col[order].to(INDEX_DTYPE), order
+
+        row, col, order = _outside_transient_modes(build)
+        flattened = (Topology(row, col, (self.out_features, width), validate=False), order)
+        self._flattened_cache = (topology, key, flattened)
+        return flattened
+
+    def index_tensors(self) -> list[Tensor]:
+        cached = self._flattened_cache
+        if cached is None:
+            return super().index_tensors()
+        kernel, order = cached[2]
+        flattened = [kernel.col, *kernel.derived_so_far(), *([] if order is None else [kernel.row, order])]
+        return super().index_tensors() + flattened
+
+    def _apply(self, fn, recurse=True):
+        self._flattened_cache = None  # of the old tensors
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_flattened_cache"] = None  # rebuilt on demand
+        return state
+
+    # ------------------------------------------------------------------ im2col
+
+    def _im2col(self, x: Tensor) -> tuple[Tensor, tuple]:
+        """Padded ``x (N, C, Dp, Hp, Wp)`` → ``(rows (N · D_out · H_out · W_out, C · kd · kh · kw),
+        (N, D_out, H_out, W_out))``: each output position's window, in the flattened kernel's
+        order (a copy). Written for FX proxies too (no branch on sizes)."""
+        windows = x
+        for dim, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation), start=2):
+            windows = windows.unfold(dim, d * (k - 1) + 1, s)  # (N, C, Do, Ho, Wo, ·, ·, ·)
+        if self.dilation != (1, 1, 1):
+            dd, dh, dw = self.dilation
+            windows = windows[..., ::dd, ::dh, ::dw]
+        sizes = (windows.shape[0], windows.shape[2], windows.shape[3], windows.shape[4])
+        return windows.permute(0, 2, 3, 4, 1, 5, 6, 7).reshape(-1, self._rows_width), sizes
+
+    # ------------------------------------------------------------------ rows for RigL
+
+    def _record_of_input(self, x: Tensor) -> Tensor:
+        """What RigL keeps of an input ``x (N, C, D, H, W)`` (or unbatched): the padded input, a
+        copy (not its im2col rows, ``kd·kh·kw`` times as large)."""
+        x = x if x.dim() == 5 else x.unsqueeze(0)
+        padded = self._padded(x)
+        return padded.clone(memory_format=torch.contiguous_format) if padded is x else padded.contiguous()
+
+    def _rows_of_output(self, y: Tensor) -> Tensor:
+        """An output (or its gradient) ``(N, out_channels, D_out, H_out, W_out)`` → ``(N · D_out ·
+        H_out · W_out, out_channels)``, row for row with :meth:`_rows_of_record`."""
+        return y.movedim(-4, -1).reshape(-1, self.out_features)
+
+    def _output_of_rows(self, rows: Tensor, x: Tensor, padding: tuple[int, ...] = (0,) * 6) -> Tensor:
+        """Output rows ``(N · D_out · H_out · W_out, out_channels)`` → ``(N, out_channels, D_out,
+        H_out, W_out)`` (a view), for the padded input ``x (N, C, Dp, Hp, Wp)`` they came from."""
+        left, right, top, bottom, front, back = padding
+        depth, height, width = x.shape[-3:]
+        sizes = self._output_size(depth + front + back, height + top + bottom, width + left + right)
+        return rows.view(x.shape[0], *sizes, self.out_features).movedim(-1, 1)
+
+
+class _PlaneLayout:
+    """How :meth:`SparseConv3d._direct` lays the padded input ``(N, C, Dp, Hp, Wp)`` out as one 2-D
+    plane that the 2-D kernels convolve at stride 1, unpadded (so they lay nothing out).
+
+    Along each dimension of stride ``s`` a padded position ``p`` goes to phase ``p % s``, place
+    ``p // s`` (``places`` per phase: ``Wp`` and ``Hp`` rounded up to a multiple of the stride, the
+    depth to ``planes`` per phase, zero planes after the input, as many as the last output plane's
+    windows need). The plane's row is ``(((ω · sh + ψ) · sd + φ) · planes + q) · Uh + u`` for W, H and
+    D phases ``ω, ψ, φ``, depth place ``q`` and height place ``u`` (``Uh`` places per H phase), its
+    column the width place ``v``: every phase is a block of rows, outermost. Kernel tap ``(i, j,
+    l)`` (reading depth ``od · sd + i · dd``, ...) then reads row ``od · Uh + oh`` + a row offset of
+    its own, column ``ow`` + a column offset: one 2-D tap, whatever the strides. Output row ``od ·
+    Uh + oh`` is the 3-D output's ``(od, oh)``; the rows and columns between are computed and
+    dropped (``Uh - H_out`` of every ``Uh`` rows, ``Uw - W_out`` of ``Uw`` columns: the windows'
+    overhang, as a 2-D convolution's flat walk drops). At stride 1 the layout is the padded input
+    itself, its planes end to end."""
+
+    def __init__(self, layer: SparseConv3d, x: Tensor):
+        self.kernel_size, self.stride, self.dilation = layer.kernel_size, layer.stride, layer.dilation
+        self.batch, self.channels = x.shape[:2]
+        padded = layer._padded_sizes(x)
+        self.padded, self.output = padded, layer._output_size(*padded)
+        # per dimension, each tap's (phase, place)
+        per_dim = [[(t * d % s, t * d // s) for t in range(k)] for k, s, d in zip(self.kernel_size, self.stride,
+                                                                                  self.dilation)]  # fmt: skip
+        (sd, sh, sw), (_, height, width) = self.stride, padded
+        self.places_h, self.places_w = -(-height // sh), -(-width // sw)
+        column_offsets = [place for _, place in per_dim[2]]
+        used_rows = self.output[0] * self.places_h
+        planes = -(-padded[0] // sd)
+        while True:  # enough planes per phase for the last output plane's windows (one or two more)
+            rows = [[[((ω * sh + ψ) * sd + φ) * planes * self.places_h + q * self.places_h + u
+                      for ω, _ in per_dim[2]] for ψ, u in per_dim[1]] for φ, q in per_dim[0]]  # fmt: skip
+            kernel_height = max(max(max(r) for r in plane) for plane in rows) + 1
+            if sw * sh * sd * planes * self.places_h - kernel_height + 1 >= used_rows:
+                break
+            planes += 1
+        self.planes = planes
+        kernel_width = max(column_offsets) + 1
+        self.kernel = (kernel_height, kernel_width)
+        # offset of tap (i, j, l) = (i · kh + j) · kw + l in the 2-D kernel of kernel_height × kernel_width
+        self.tap_offsets = [row * kernel_width + column_offsets[l]
+                            for plane in rows for by_column in plane for l, row in enumerate(by_column)]  # fmt: skip
+        self.rows = sw * sh * sd * planes * self.places_h
+        self.output_rows = self.rows - kernel_height + 1
+        self.output_columns = self.places_w - kernel_width + 1
+        self.key = (planes, self.places_h, self.places_w)
+
+    def _blocks(self) -> tuple[int, ...]:
+        """The padded volume's sizes split by phase: ``(N, C, planes, sd, Uh, sh, Uw, sw)``."""
+        (sd, sh, sw) = self.stride
+        return (self.batch, self.channels, self.planes, sd, self.places_h, sh, self.places_w, sw)
+
+    def plane_of(self, x: Tensor, zero_padding: tuple[int, ...]) -> Tensor:
+        """The plane ``(N, C, rows, Uw)`` of ``x (N, C, D, H, W)`` zero padded by ``zero_padding``
+        (``F.pad``'s order: none for an input padded already in another mode), and by the zeros the
+        layout adds after it."""
+        (sd, sh, sw), (depth, height, width) = self.stride, self.padded
+        left, right, top, bottom, front, back = zero_padding
+        extra = (sw * self.places_w - width, sh * self.places_h - height, sd * self.planes - depth)
+        padded = F.pad(x, (left, right + extra[0], top, bottom + extra[1], front, back + extra[2]))
+        by_phase = padded.view(self._blocks()).permute(0, 1, 7, 5, 3, 2, 4, 6)  # (N, C, sw, sh, sd, planes, Uh, Uw)
+        return by_phase.contiguous().view(self.batch, self.channels, self.rows, self.places_w)
+
+    def volume_of(self, plane: Tensor) -> Tensor:
+        """The inverse of :meth:`plane_of`: the padded volume ``(N, C, sd · planes, sh · Uh, sw · Uw)``."""
+        n, c, planes, sd, places_h, sh, places_w, sw = self._blocks()
+        by_phase = plane.view(n, c, sw, sh, sd, planes, places_h, places_w).permute(0, 1, 5, 4, 6, 3, 7, 2)
+        return by_phase.reshape(n, c, planes * sd, places_h * sh, places_w * sw)
+
+    def output_of(self, y: Tensor) -> Tensor:
+        """The 3-D output ``(N, O, D_out, H_out, W_out)`` (a view) of the 2-D kernel's ``y (N, O,
+        output_rows, output_columns)``."""
+        out_depth, out_height, out_width = self.output
+        y = y[:, :, : out_depth * self.places_h, :out_width]
+        return y.unflatten(2, (out_depth, self.places_h))[:, :, :, :out_height]
+
+    def output_plane_of(self, y: Tensor) -> Tensor:
+        """The inverse of :meth:`output_of` for an output ``y (N, O, ≥ D_out, ≥ H_out, ≥ W_out)``,
+        zeros where the 2-D kernel's output is dropped (by differentiable ops)."""
+        out_depth, out_height, out_width = self.output
+        y = y[:, :, :out_depth, :out_height, :out_width]
+        y = F.pad(y, (0, self.output_columns - out_width, 0, self.places_h - out_height)).flatten(2, 3)
+        return F.pad(y, (0, 0, 0, self.output_rows - out_depth * self.places_h))
+
+
+def _in_kernel_order(values: Tensor, order: Tensor) -> Tensor:
+    """``values`` (the layer's order) in the flattened kernel's ``order``."""
+    return _KernelOrder.apply(values, order)
+
+
+def _in_layer_order(kernel_values: Tensor, order: Tensor) -> Tensor:
+    """The inverse of :func:`_in_kernel_order`, by differentiable ops."""
+    return torch.zeros_like(kernel_values).index_copy(0, order, kernel_values)
+
+
+class _KernelOrder(torch.autograd.Function):
+    """``values[order]`` that saves ``values``: a backward after ``values`` changed in place (a
+    rewire, a clamp) then raises, as every other path of the layers does (``index_select`` alone
+    saves only the index)."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, order: Tensor) -> Tensor:
+        ctx.save_for_backward(values, order)
+        return values.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        _, order = ctx.saved_tensors  # (reading them runs autograd's version check)
+        return _in_layer_order(grad, order), None
+
+
+SparseConv3d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
