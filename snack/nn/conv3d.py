@@ -56,7 +56,7 @@ class SparseConv3d(_SparseConvolution):
 
     * on the CPU, float32 and float64, eagerly: the 2-D direct sparse kernels on the padded
       input laid out as one plane (the module docstring), nothing unfolded; the laid-out input is
-      one copy (two with a stride: the padding, then the phases), kept for the backward; except
+      one copy, kept for the backward; except
       where im2col rows are faster (few output positions for the connections,
       :func:`snack.backends.cpu.conv.rows_are_faster`);
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing,
@@ -356,27 +356,42 @@ class _PlaneLayout:
         self.output_columns = self.places_w - kernel_width + 1
         self.key = (planes, self.places_h, self.places_w)
 
-    def _blocks(self) -> tuple[int, ...]:
-        """The padded volume's sizes split by phase: ``(N, C, planes, sd, Uh, sh, Uw, sw)``."""
+    def blocks_by_phase(self) -> tuple[int, ...]:
+        """The plane's sizes split by phase: ``(N, C, sw, sh, sd, planes, Uh, Uw)``."""
         (sd, sh, sw) = self.stride
-        return (self.batch, self.channels, self.planes, sd, self.places_h, sh, self.places_w, sw)
+        return (self.batch, self.channels, sw, sh, sd, self.planes, self.places_h, self.places_w)
 
     def plane_of(self, x: Tensor, zero_padding: tuple[int, ...]) -> Tensor:
         """The plane ``(N, C, rows, Uw)`` of ``x (N, C, D, H, W)`` zero padded by ``zero_padding``
         (``F.pad``'s order: none for an input padded already in another mode), and by the zeros the
-        layout adds after it."""
-        (sd, sh, sw), (depth, height, width) = self.stride, self.padded
-        left, right, top, bottom, front, back = zero_padding
-        extra = (sw * self.places_w - width, sh * self.places_h - height, sd * self.planes - depth)
-        padded = F.pad(x, (left, right + extra[0], top, bottom + extra[1], front, back + extra[2]))
-        by_phase = padded.view(self._blocks()).permute(0, 1, 7, 5, 3, 2, 4, 6)  # (N, C, sw, sh, sd, planes, Uh, Uw)
-        return by_phase.contiguous().view(self.batch, self.channels, self.rows, self.places_w)
+        layout adds after it: one pass over ``x`` (:class:`_ToPlane`; padding and then permuting
+        the phases took two)."""
+        left, _, top, _, front, _ = zero_padding
+        return _ToPlane.apply(x, self, (front, top, left))
+
+    def phase_slices(self, sizes: tuple[int, ...], before: tuple[int, int, int]) -> list[tuple[tuple, tuple]]:
+        """Where the plane holds an input of ``sizes (D, H, W)`` padded by ``before`` zeros in front,
+        on top and on the left: ``(input index, plane index)`` pairs, one per stride phase that
+        holds input positions, the first of ``x[input index]``, the second of the plane viewed as
+        ``(N, C, sw, sh, sd, planes, Uh, Uw)``. The phases partition the input."""
+        per_dim = []
+        for size, stride, first in zip(sizes, self.stride, before):
+            pieces = []
+            for phase in range(stride):
+                start = first + (phase - first) % stride  # the first padded position of this phase inside
+                if start - first < size:
+                    count = len(range(start - first, size, stride))
+                    pieces.append((phase, slice(start - first, size, stride), slice(start // stride, start // stride + count)))
+            per_dim.append(pieces)
+        whole = slice(None)
+        return [((whole, whole, d, h, w), (whole, whole, ω, ψ, φ, q, u, v))
+                for φ, d, q in per_dim[0] for ψ, h, u in per_dim[1] for ω, w, v in per_dim[2]]  # fmt: skip
 
     def volume_of(self, plane: Tensor) -> Tensor:
         """The inverse of :meth:`plane_of`: the padded volume ``(N, C, sd · planes, sh · Uh, sw · Uw)``."""
-        n, c, planes, sd, places_h, sh, places_w, sw = self._blocks()
-        by_phase = plane.view(n, c, sw, sh, sd, planes, places_h, places_w).permute(0, 1, 5, 4, 6, 3, 7, 2)
-        return by_phase.reshape(n, c, planes * sd, places_h * sh, places_w * sw)
+        (sd, sh, sw) = self.stride
+        by_phase = plane.view(self.blocks_by_phase()).permute(0, 1, 5, 4, 6, 3, 7, 2)  # (N, C, planes, sd, ...)
+        return by_phase.reshape(self.batch, self.channels, self.planes * sd, self.places_h * sh, self.places_w * sw)
 
     def output_of(self, y: Tensor) -> Tensor:
         """The 3-D output ``(N, O, D_out, H_out, W_out)`` (a view) of the 2-D kernel's ``y (N, O,
@@ -392,6 +407,43 @@ class _PlaneLayout:
         y = y[:, :, :out_depth, :out_height, :out_width]
         y = F.pad(y, (0, self.output_columns - out_width, 0, self.places_h - out_height)).flatten(2, 3)
         return F.pad(y, (0, 0, 0, self.output_rows - out_depth * self.places_h))
+
+
+class _ToPlane(torch.autograd.Function):
+    """``x (N, C, D, H, W)`` → its :class:`_PlaneLayout` plane: zeros, and each stride phase of
+    ``x`` copied to its block. The backward gathers the phases back (:class:`_FromPlane`); each is
+    the other's derivative, so both differentiate to any order."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layout: _PlaneLayout, before: tuple[int, int, int]) -> Tensor:
+        ctx.layout, ctx.before, ctx.sizes = layout, before, x.shape[-3:]
+        plane = x.new_zeros(layout.batch, layout.channels, layout.rows, layout.places_w)
+        blocks = plane.view(layout.blocks_by_phase())
+        for source, target in layout.phase_slices(ctx.sizes, before):
+            blocks[target].copy_(x[source])
+        return plane
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _FromPlane.apply(grad, ctx.layout, ctx.before, ctx.sizes), None, None
+
+
+class _FromPlane(torch.autograd.Function):
+    """The input ``(N, C, *sizes)`` part of a :class:`_PlaneLayout` plane (the adjoint of
+    :class:`_ToPlane`: the padding dropped)."""
+
+    @staticmethod
+    def forward(ctx, plane: Tensor, layout: _PlaneLayout, before: tuple[int, int, int], sizes) -> Tensor:
+        ctx.layout, ctx.before = layout, before
+        x = plane.new_empty(layout.batch, layout.channels, *sizes)  # every element is in one phase
+        blocks = plane.contiguous().view(layout.blocks_by_phase())
+        for source, target in layout.phase_slices(sizes, before):
+            x[source].copy_(blocks[target])
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _ToPlane.apply(grad, ctx.layout, ctx.before), None, None, None
 
 
 def _in_kernel_order(values: Tensor, order: Tensor) -> Tensor:
