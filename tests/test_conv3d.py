@@ -22,7 +22,7 @@ from snack.dst.prune_grow import gradient_grow, linear_index
 from snack.topology import BLOCK_ELEMENTS
 from tests.test_conv import (
     _check_against_dense, _check_results_do_not_depend_on_the_thread_count, _dense_twin, _direct_calls,
-    _gradcheck_and_gradgradcheck, _run,
+    _gradcheck_and_gradgradcheck, _on_path, _run,
 )
 from tests.test_truly_sparse import LargestTensorMode
 
@@ -338,6 +338,21 @@ def test_rigl_trains_a_small_3d_cnn():
     for (row, col), layer in zip(before, (model[0], model[2])):
         assert not (torch.equal(row, layer.row) and torch.equal(col, layer.col))
         _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, 6, 6, 6, dtype=torch.float64), "direct")
+
+
+@pytest.mark.parametrize("path", ["reference", "autocast", "direct"])
+def test_the_backward_keeps_no_unfolded_rows(path):
+    # im2col rows are kd·kh·kw (27) copies of the input: the rows node keeps the input instead, the
+    # direct kernels its laid-out copy
+    layer = _layer(kernel_size=3, padding=1, sparsity=0.8, dtype=torch.float32)
+    x = torch.randn(2, 4, 8, 8, 8)
+    saved = []
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if path == "autocast" else _on_path(path)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), context:
+        layer(x).float().sum().backward()
+    largest = max(t.numel() for t in saved)
+    assert x.numel() <= largest <= 3 * x.numel()  # the input, or its layout (padded 8³ → 11·10·10), not 27 copies
+    _check_against_dense(layer.double(), x.double(), "reference" if path == "autocast" else path)
 
 
 @pytest.mark.parametrize("path", ["native", "direct"])

@@ -150,6 +150,19 @@ class _SparseConvolution(_SparseConvNd):
             return x
         return F.pad(x, amounts, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
 
+    def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
+        """im2col as one autograd node that keeps ``x`` for the backward, not its rows
+        (:mod:`snack.nn.conv_rows`), inside ``torch.autocast`` in the region's dtype; ``None`` for
+        an input whose dtype is not the layer's (the composite path raises, naming both)."""
+        cast_x, cast_values, cast_bias = autocast_inputs(x, values, bias)
+        if cast_x.dtype != cast_values.dtype:
+            return None
+        cast_x = cast_x if self.padding_mode == "zeros" else self._padded(cast_x)
+        cast_from = (values,) if cast_values is not values else ()
+        rows = rows_conv2d(cast_x, cast_values, cast_bias, self._unfolded(topology), geometry,
+                           lambda padded: self._im2col(padded)[0], cast_from)  # fmt: skip
+        return self._output_of_rows(rows, cast_x, geometry.zero_padding)
+
     def _through_rows(self, x: Tensor, linear) -> Tensor:
         """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
         ``(rows, out_channels)``), back to ``(N, out_channels, *output sizes)`` (in channels-last
@@ -344,19 +357,6 @@ class SparseConv2d(_SparseConvolution):
         depthwise = direct.depthwise_kernels_run(self.in_channels, self.groups)
         return direct.direct_conv2d(x.contiguous(), values, bias, topology if depthwise else unfolded, geometry,
                                     recompute, training=training, depthwise=depthwise)  # fmt: skip
-
-    def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
-        """im2col as one autograd node that keeps ``x`` for the backward, not its rows
-        (:mod:`snack.nn.conv_rows`), inside ``torch.autocast`` in the region's dtype; ``None`` for
-        an input whose dtype is not the layer's (the composite path raises, naming both)."""
-        cast_x, cast_values, cast_bias = autocast_inputs(x, values, bias)
-        if cast_x.dtype != cast_values.dtype:
-            return None
-        cast_x = cast_x if self.padding_mode == "zeros" else self._padded(cast_x)
-        cast_from = (values,) if cast_values is not values else ()
-        rows = rows_conv2d(cast_x, cast_values, cast_bias, self._unfolded(topology), geometry,
-                           lambda padded: self._im2col(padded)[0], cast_from)  # fmt: skip
-        return self._output_of_rows(rows, cast_x, geometry.zero_padding)
 
     # ------------------------------------------------------------------ rows for RigL
 

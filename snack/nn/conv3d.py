@@ -62,8 +62,8 @@ class SparseConv3d(_SparseConvolution):
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing,
       ``torch.func`` transforms, a forced backend): im2col, the input's windows unfolded into
       ``(N · D_out · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The
-      rows hold ``kd · kh · kw`` copies of the input, and a training step keeps them for its
-      backward;
+      rows hold ``kd · kh · kw`` copies of the input, for the call: an eager training step keeps
+      the input for its backward, which unfolds it again (:mod:`snack.nn.conv_rows`);
     * a layer holding every connection: ``F.conv3d`` on ``values`` viewed as the dense weight,
       unless a backend is forced.
 
@@ -161,16 +161,32 @@ class SparseConv3d(_SparseConvolution):
         return y if batched else y.squeeze(0)
 
     def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The convolution of unpadded ``x`` in eager code, of the layer's dtype outside autocast:
-        ``F.conv3d`` for a full topology, else the native kernels where they apply and im2col rows
-        would not be faster; ``None`` elsewhere (the im2col path runs)."""
+        """The convolution of unpadded ``x`` in eager code: ``F.conv3d`` for a full topology, the
+        native kernels, or else in a step that records gradients by im2col as one node that keeps
+        ``x``, not its rows (:mod:`snack.nn.conv_rows`); ``None`` elsewhere (the composite im2col
+        path runs)."""
         if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
             return None
         values, bias, topology = self._consistent_state()
         if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
             return None  # the im2col path's checks name the problem
-        if x.device != values.device or x.dtype != values.dtype or torch._C._is_any_autocast_enabled():
+        if x.device != values.device:
             return None
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
+        if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
+            y = self._full_or_direct(x, values, bias, topology, training)
+            if y is not None:
+                return y
+        if not training:
+            return None  # inference: the composite path's rows live only for the call
+        zero_padding = self._padding_amounts() if self.padding_mode == "zeros" else (0,) * 6
+        geometry = direct.ConvGeometry(self.kernel_size, self.stride, self.dilation, zero_padding)
+        return self._rows_keeping_input(x, values, bias, topology, geometry)
+
+    def _full_or_direct(self, x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology,
+                        training: bool) -> Tensor | None:  # fmt: skip
+        """``F.conv3d`` for a full topology, else the native kernels where they apply and im2col
+        rows would not be faster (:func:`snack.backends.cpu.conv.rows_are_faster`)."""
         forced = backends.forced_backend()
         if forced is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, -1, *self.kernel_size)
@@ -179,7 +195,6 @@ class SparseConv3d(_SparseConvolution):
             return F.conv3d(x, weight, bias, self.stride, padding, self.dilation, self.groups)
         if not direct.applies(x, values):
             return None
-        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
         if forced is None:
             positions = x.shape[0] * math.prod(self._output_size(*self._padded_sizes(x)))
             if direct.rows_are_faster(topology.nnz, positions, self._rows_width, training):
@@ -326,31 +341,31 @@ class _PlaneLayout:
     itself, its planes end to end."""
 
     def __init__(self, layer: SparseConv3d, x: Tensor):
-        self.kernel_size, self.stride, self.dilation = layer.kernel_size, layer.stride, layer.dilation
-        self.batch, self.channels = x.shape[:2]
+        self.stride, (self.batch, self.channels) = layer.stride, x.shape[:2]
         padded = layer._padded_sizes(x)
         self.padded, self.output = padded, layer._output_size(*padded)
         # per dimension, each tap's (phase, place)
-        per_dim = [[(t * d % s, t * d // s) for t in range(k)] for k, s, d in zip(self.kernel_size, self.stride,
-                                                                                  self.dilation)]  # fmt: skip
+        per_dim = [[(t * d % s, t * d // s) for t in range(k)]
+                   for k, s, d in zip(layer.kernel_size, layer.stride, layer.dilation)]  # fmt: skip
         (sd, sh, sw), (_, height, width) = self.stride, padded
         self.places_h, self.places_w = -(-height // sh), -(-width // sw)
         column_offsets = [place for _, place in per_dim[2]]
         used_rows = self.output[0] * self.places_h
         planes = -(-padded[0] // sd)
         while True:  # enough planes per phase for the last output plane's windows (one or two more)
-            rows = [[[((ω * sh + ψ) * sd + φ) * planes * self.places_h + q * self.places_h + u
-                      for ω, _ in per_dim[2]] for ψ, u in per_dim[1]] for φ, q in per_dim[0]]  # fmt: skip
-            kernel_height = max(max(max(r) for r in plane) for plane in rows) + 1
+            # row offset of tap (i, j, l), in the order of the layer's taps (i · kh + j) · kw + l
+            row_offsets = [((ω * sh + ψ) * sd + φ) * planes * self.places_h + q * self.places_h + u
+                           for φ, q in per_dim[0] for ψ, u in per_dim[1] for ω, _ in per_dim[2]]  # fmt: skip
+            kernel_height = max(row_offsets) + 1
             if sw * sh * sd * planes * self.places_h - kernel_height + 1 >= used_rows:
                 break
             planes += 1
         self.planes = planes
         kernel_width = max(column_offsets) + 1
         self.kernel = (kernel_height, kernel_width)
-        # offset of tap (i, j, l) = (i · kh + j) · kw + l in the 2-D kernel of kernel_height × kernel_width
-        self.tap_offsets = [row * kernel_width + column_offsets[l]
-                            for plane in rows for by_column in plane for l, row in enumerate(by_column)]  # fmt: skip
+        # each tap's position in the 2-D kernel of kernel_height × kernel_width
+        self.tap_offsets = [row * kernel_width + column_offsets[tap % len(column_offsets)]
+                            for tap, row in enumerate(row_offsets)]  # fmt: skip
         self.rows = sw * sh * sd * planes * self.places_h
         self.output_rows = self.rows - kernel_height + 1
         self.output_columns = self.places_w - kernel_width + 1
@@ -380,8 +395,8 @@ class _PlaneLayout:
             for phase in range(stride):
                 start = first + (phase - first) % stride  # the first padded position of this phase inside
                 if start - first < size:
-                    count = len(range(start - first, size, stride))
-                    pieces.append((phase, slice(start - first, size, stride), slice(start // stride, start // stride + count)))
+                    places = slice(start // stride, start // stride + len(range(start - first, size, stride)))
+                    pieces.append((phase, slice(start - first, size, stride), places))
             per_dim.append(pieces)
         whole = slice(None)
         return [((whole, whole, d, h, w), (whole, whole, ω, ψ, φ, q, u, v))

@@ -7,17 +7,19 @@ multiplies them by the sparse weight. Through :class:`snack.SparseLinear`'s ops 
 what autograd kept for the values gradient until the backward: ``kh · kw`` copies of the input (9
 for a 3×3 kernel) per layer, where ``nn.Conv2d`` keeps one. This node keeps the unpadded input and
 unfolds it again in the backward, for the values gradient only; the input gradient folds the rows'
-gradient back (``F.fold``) and cuts the zero padding off.
+gradient back (``F.fold``; a 3-D convolution's tap by tap) and cuts the zero padding off.
 
 Compiled, traced and ``torch.func`` code, and a forward that records no gradient, take the
 composite path (:meth:`snack.SparseConv2d._through_rows`), whose ops those understand.
 
-Shapes: ``x (N, C, H, W)``, ``values (nnz,)``, ``bias (out,)`` or ``None`` → rows ``(N · H_out ·
-W_out, out)``, in the order of ``im2col``'s rows.
+Shapes: ``x (N, C, H, W)`` (:class:`snack.SparseConv3d`'s ``(N, C, D, H, W)``), ``values (nnz,)``,
+``bias (out,)`` or ``None`` → rows ``(N · H_out · W_out, out)`` (``N · D_out · H_out · W_out``), in
+the order of ``im2col``'s rows.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -79,7 +81,10 @@ def _zero_padded(x: Tensor, geometry: ConvGeometry) -> Tensor:
 
 def _folded(drows: Tensor, shape: torch.Size, geometry: ConvGeometry) -> Tensor:
     """The input gradient ``(N, C, H, W)`` of rows' gradient ``drows (N · H_out · W_out, C · kh ·
-    kw)``: each row's entries summed back into the windows they came from, the padding cut off."""
+    kw)``: each row's entries summed back into the windows they came from, the padding cut off
+    (a 3-D convolution's, :func:`_folded_3d`)."""
+    if len(shape) == 5:
+        return _folded_3d(drows, shape, geometry)
     n, _, height, width = shape
     if n == 0:  # (no rows to tell H_out · W_out)
         return drows.new_zeros(shape)
@@ -88,3 +93,25 @@ def _folded(drows: Tensor, shape: torch.Size, geometry: ConvGeometry) -> Tensor:
     padded = F.fold(columns, (height + top + bottom, width + left + right), geometry.kernel,
                     dilation=geometry.dilation, stride=geometry.stride)  # fmt: skip
     return padded[:, :, top : top + height, left : left + width]
+
+
+def _folded_3d(drows: Tensor, shape: torch.Size, geometry: ConvGeometry) -> Tensor:
+    """:func:`_folded` of a 3-D convolution (``F.fold`` is 2-D only): ``drows (N · D_out · H_out ·
+    W_out, C · kd · kh · kw)`` added back tap by tap, each tap's column a strided slab of the padded
+    input ``(N, C, Dp, Hp, Wp)``."""
+    n, channels, *sizes = shape
+    if n == 0:
+        return drows.new_zeros(shape)
+    left, right, top, bottom, front, back = geometry.zero_padding
+    before = (front, top, left)
+    padded_sizes = [size + a + b for size, a, b in zip(sizes, before, (back, bottom, right))]
+    outputs = [(p - d * (k - 1) - 1) // s + 1
+               for p, k, s, d in zip(padded_sizes, geometry.kernel, geometry.stride, geometry.dilation)]  # fmt: skip
+    taps = drows.view(n, *outputs, channels, *geometry.kernel).permute(0, 4, 1, 2, 3, 5, 6, 7)
+    padded = drows.new_zeros(n, channels, *padded_sizes)
+    for tap in itertools.product(*(range(k) for k in geometry.kernel)):
+        window = tuple(slice(t * d, t * d + s * (o - 1) + 1, s)
+                       for t, d, s, o in zip(tap, geometry.dilation, geometry.stride, outputs))  # fmt: skip
+        padded[(slice(None), slice(None), *window)] += taps[(..., *tap)]
+    inside = tuple(slice(b, b + size) for b, size in zip(before, sizes))
+    return padded[(slice(None), slice(None), *inside)]

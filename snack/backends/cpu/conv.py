@@ -52,12 +52,14 @@ TRANSPOSED_ROWS_FOR_TRAINING_FROM = 0.4
 
 class ConvGeometry(NamedTuple):
     """Kernel size, stride and dilation, each ``(height, width)``, and the zero padding
-    ``(left, right, top, bottom)`` the convolution adds itself (other padding modes pad first)."""
+    ``(left, right, top, bottom)`` the convolution adds itself (other padding modes pad first).
+    (A 3-D convolution's im2col node, :mod:`snack.nn.conv_rows`, takes ``(depth, height, width)``
+    triples and ``(left, right, top, bottom, front, back)``.)"""
 
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    dilation: tuple[int, int]
-    zero_padding: tuple[int, int, int, int]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    zero_padding: tuple[int, ...]
 
 
 def applies(x: Tensor, values: Tensor) -> bool:
