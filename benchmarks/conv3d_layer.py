@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from conv_layer import _Call  # (this script's folder)
 from torch import nn
 
 import snack
@@ -79,17 +80,6 @@ def variants(batch: int, channels: int, side: int, kernel: tuple[int, int, int],
         "inference": {name: infer(module) for name, module in modules.items()},
         "training": {name: step(module) for name, module in modules.items()},
     }
-
-
-class _Call(nn.Module):
-    """``fn`` as a module whose parameters are ``owner``'s (for ``zero_grad``)."""
-
-    def __init__(self, fn, owner: nn.Module):
-        super().__init__()
-        self.fn, self.owner = fn, owner
-
-    def forward(self, x):
-        return self.fn(x)
 
 
 def main() -> None:

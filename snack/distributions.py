@@ -15,8 +15,9 @@
 
   A convolution's weight ``(out, in, kh, kw)`` gets the kernel-aware rule of Evci et al.,
   ``d_l = ε · (out + in + kh + kw) / (out · in · kh · kw)`` (a 1-D one's ``(out, in, k)``:
-  ``(out + in + k) / (out · in · k)``; a 3-D one's ``(out, in, kd, kh, kw)`` likewise): every rule here is the sum of the weight's dimensions over
-  their product, and the budget below holds for any of them.
+  ``(out + in + k) / (out · in · k)``; a 3-D one's ``(out, in, kd, kh, kw)`` likewise): every rule
+  here is the sum of the weight's dimensions over their product, and the budget below holds for
+  any of them.
 
   A density above 1 is impossible, so such layers are made fully dense (density 1), their
   connections are taken out of the budget, and ε is solved again over the remaining layers;

@@ -420,8 +420,10 @@ def test_sparsify_warns_about_convolutions_it_leaves_dense():
     with pytest.warns(UserWarning) as caught:
         model = snack.sparsify(net, 0.5)
     [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
-    assert message.startswith("sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (ConvTranspose3d). snack "
-                              "has 1-D, 2-D and 3-D convolutions and 1-D and 2-D transposed convolutions only")  # fmt: skip
+    assert message.startswith(
+        "sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (ConvTranspose3d). snack has 1-D, 2-D and 3-D "
+        "convolutions and 1-D and 2-D transposed convolutions only"
+    )
     assert isinstance(model[4], snack.SparseConvTranspose2d) and isinstance(model[7], snack.SparseConv3d)
     assert isinstance(model[2], snack.SparseConv2d) and isinstance(model[0], snack.SparseConv1d)
     with warnings.catch_warnings():
@@ -511,21 +513,28 @@ def test_rigl_trains_a_small_cnn():
     model = nn.Sequential(snack.SparseConv2d(1, 8, 3, padding=1, sparsity=0.8), nn.ReLU(inplace=True),
                           snack.SparseConv2d(8, 8, 3, stride=2, sparsity=0.8), nn.Flatten(),
                           snack.SparseLinear(8 * 9, 3, sparsity=0.5))  # fmt: skip
+    _check_rigl_rewires_the_convolutions(model, torch.randn(16, 1, 8, 8), "native")
+
+
+def _check_rigl_rewires_the_convolutions(model: nn.Sequential, x: torch.Tensor, path: str) -> None:
+    """Six RigL steps of ``model`` (two sparse convolutions at 0 and 2, then a classifier of 3) on
+    ``x``: the convolutions keep their nnz, change their connections and still match dense math."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=2, total_steps=12, schedule="constant")
-    x, target = torch.randn(16, 1, 8, 8), torch.randint(0, 3, (16,))
-    before = [(m.row.clone(), m.col.clone()) for m in (model[0], model[2])]
-    nnz = [model[0].nnz, model[2].nnz]
+    target = torch.randint(0, 3, (x.shape[0],))
+    convolutions = (model[0], model[2])
+    before = [(m.row.clone(), m.col.clone()) for m in convolutions]
+    nnz = [m.nnz for m in convolutions]
     for _ in range(6):
         loss = F.cross_entropy(model(x), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
         dst.step()
-    assert [model[0].nnz, model[2].nnz] == nnz
-    for (row, col), layer in zip(before, (model[0], model[2])):
+    assert [m.nnz for m in convolutions] == nnz
+    for (row, col), layer in zip(before, convolutions):
         assert not (torch.equal(row, layer.row) and torch.equal(col, layer.col))
-        _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, 8, 8, dtype=torch.float64), "native")
+        _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, *x.shape[2:], dtype=torch.float64), path)
 
 
 @pytest.mark.parametrize("path", ["native", "direct"])  # (native: im2col rows here, see test_rows_or_direct...)

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,8 +20,8 @@ from snack.dst.capture import GradientCapture
 from snack.dst.prune_grow import gradient_grow, linear_index
 from snack.topology import BLOCK_ELEMENTS
 from tests.test_conv import (
-    _check_against_dense, _check_results_do_not_depend_on_the_thread_count, _dense_twin, _direct_calls,
-    _gradcheck_and_gradgradcheck, _on_path, _run,
+    _check_against_dense, _check_results_do_not_depend_on_the_thread_count, _check_rigl_rewires_the_convolutions,
+    _dense_twin, _direct_calls, _gradcheck_and_gradgradcheck, _on_path, _run,
 )
 from tests.test_truly_sparse import LargestTensorMode
 
@@ -144,6 +143,21 @@ def test_results_do_not_depend_on_the_thread_count():
                                                      torch.randn(5, 4, 6, 6, 6))  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "sliced", "offset"])
+@pytest.mark.parametrize("path", PATHS)
+def test_inputs_of_any_memory_layout(layout, path):
+    # the layout copies each stride phase through as_strided views of the input's storage
+    layer = _layer(kernel_size=3, stride=2, padding=1)
+    base = torch.randn(3, 4, 7, 6, 5, dtype=torch.float64)
+    if layout == "channels_last":
+        x = base.to(memory_format=torch.channels_last_3d)
+    elif layout == "sliced":
+        x = base[:, :, :, 1:]
+    else:
+        x = base[1:]  # contiguous, at an offset into its storage
+    _check_against_dense(layer, x, path)
+
+
 def test_direct_kernels_run_where_they_should(monkeypatch):
     calls = []
     original = snack.backends.cpu.conv.direct_conv2d
@@ -185,8 +199,9 @@ def test_the_flattened_kernel_is_built_once_per_topology_and_height():
         assert order is None  # stride 1: the kernel's connections in the layer's order
         layer(x)
         assert layer._flattened_cache[2][0] is kernel
-        layer(torch.randn(1, 4, 6, 9, 6))  # another height: another kernel
-        assert layer._flattened_cache[2][0] is not kernel
+        layout = layer._layout_cache[1]
+        layer(torch.randn(1, 4, 6, 9, 6))  # another height: another layout and kernel
+        assert layer._flattened_cache[2][0] is not kernel and layer._layout_cache[1] is not layout
         assert any(t is layer._flattened_cache[2][0].col for t in layer.index_tensors())  # counted as index data
         layer.set_topology(layer.row[1:], layer.col[1:])
         _check_against_dense(layer.double(), x.double(), "direct")
@@ -323,21 +338,7 @@ def test_rigl_trains_a_small_3d_cnn():
     model = nn.Sequential(snack.SparseConv3d(1, 8, 3, padding=1, sparsity=0.8), nn.ReLU(inplace=True),
                           snack.SparseConv3d(8, 8, 3, stride=2, sparsity=0.8), nn.Flatten(),
                           snack.SparseLinear(8 * 8, 3, sparsity=0.5))  # fmt: skip
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    dst = snack.dst.RigL(model, opt, drop_fraction=0.3, update_every=2, total_steps=12, schedule="constant")
-    x, target = torch.randn(8, 1, 6, 6, 6), torch.randint(0, 3, (8,))
-    before = [(m.row.clone(), m.col.clone()) for m in (model[0], model[2])]
-    nnz = [model[0].nnz, model[2].nnz]
-    for _ in range(6):
-        loss = F.cross_entropy(model(x), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        dst.step()
-    assert [model[0].nnz, model[2].nnz] == nnz
-    for (row, col), layer in zip(before, (model[0], model[2])):
-        assert not (torch.equal(row, layer.row) and torch.equal(col, layer.col))
-        _check_against_dense(layer.double(), torch.randn(2, layer.in_channels, 6, 6, 6, dtype=torch.float64), "direct")
+    _check_rigl_rewires_the_convolutions(model, torch.randn(8, 1, 6, 6, 6), "direct")
 
 
 @pytest.mark.parametrize("path", ["reference", "autocast", "direct"])

@@ -35,6 +35,17 @@ def test_erk_densities_are_proportional_to_out_plus_in_over_out_times_in():
     assert math.isclose(ratio, expected, rel_tol=1e-12)
 
 
+def test_erk_weighs_every_kernel_size_of_a_3d_convolution():
+    shapes = {"conv3d": (16, 8, 3, 3, 3), "linear": (64, 32)}
+    d = erk_densities(shapes, 0.2)
+    expected = ((16 + 8 + 3 + 3 + 3) / (16 * 8 * 27)) / ((64 + 32) / (64 * 32))
+    assert math.isclose(d["conv3d"] / d["linear"], expected, rel_tol=1e-12)
+    with pytest.raises(ValueError, match=r"layer 'k': .* must be in \[1, "):
+        erk_densities({"k": (16, 8, 3, 0, 3)}, 0.2)
+    with pytest.raises(ValueError, match=r"or \(out, in, kd, kh, kw\), got \(1, 2, 3, 4, 5, 6\)"):
+        erk_densities({"k": (1, 2, 3, 4, 5, 6)}, 0.2)
+
+
 def test_erk_without_capping_matches_closed_form():
     shapes = {"x": (100, 100), "y": (200, 50)}
     d = erk_densities(shapes, 0.1)

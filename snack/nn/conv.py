@@ -25,8 +25,9 @@ __all__ = ["SparseConv2d"]
 
 class _SparseConvolution(_SparseConvNd):
     """What :class:`SparseConv2d` (and :class:`SparseConv1d`) and :class:`snack.SparseConv3d`
-    share: the constructors, the padding, the im2col path and the conversions, for ``_dims``
-    spatial dimensions. Subclasses compute the forward."""
+    share: the constructors, the forward's frame, the padding, the im2col path and the
+    conversions, for ``_dims`` spatial dimensions (computed in ``_computed_dims``). Subclasses give
+    the geometry's arithmetic (``_padding_amounts``, ``_check_input``) and ``_fast_forward``."""
 
     def __init__(
         self,
@@ -142,6 +143,22 @@ class _SparseConvolution(_SparseConvNd):
         layer._set_geometry(in_channels, geometry)
         return layer
 
+    def forward(self, input: Tensor) -> Tensor:
+        """``input (N, in_channels, *spatial)`` or ``(in_channels, *spatial)`` → ``(N, out_channels,
+        *output spatial)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_forward(input)
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{type(self).__name__} expects a Tensor input, got {type(input).__name__}")
+        batched = input.dim() == self._computed_dims + 2
+        x = input if batched else input.unsqueeze(0)
+        with _no_tracer_warnings():
+            self._check_input(input, x)
+        y = self._fast_forward(x)
+        if y is None:
+            y = self._through_rows(self._padded(x), self._product)
+        return y if batched else y.squeeze(0)
+
     def _padded(self, x: Tensor) -> Tensor:
         """``x (N, C, *spatial)`` with the padding applied (:meth:`_padding_amounts`, in ``F.pad``'s
         order: left, right, top, bottom, and front, back for a 3-D layer)."""
@@ -254,27 +271,13 @@ class SparseConv2d(_SparseConvolution):
         device, dtype: of the parameters.
     """
 
-    # the dense layer it replaces and its spatial dimensions (SparseConv1d: nn.Conv1d, 1)
+    # the dense layer it replaces and its spatial dimensions (SparseConv1d: nn.Conv1d, 1), and
+    # those it computes in (a 1-D layer's input gets a height of 1)
     _dense_class: type[nn.Module] = nn.Conv2d
     _dims = 2
+    _computed_dims = 2
 
     # ------------------------------------------------------------------ forward
-
-    def forward(self, input: Tensor) -> Tensor:
-        """``input (N, in_channels, H, W)`` or ``(in_channels, H, W)`` → ``(N, out_channels, H_out,
-        W_out)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""
-        if tracing.fx_symbolic_tracing():
-            return self._fx_forward(input)
-        if not isinstance(input, Tensor):
-            raise TypeError(f"SparseConv2d expects a Tensor input, got {type(input).__name__}")
-        batched = input.dim() == 4
-        x = input if batched else input.unsqueeze(0)
-        with _no_tracer_warnings():
-            self._check_input(input, x)
-        y = self._fast_forward(x)
-        if y is None:
-            y = self._through_rows(self._padded(x), self._product)
-        return y if batched else y.squeeze(0)
 
     def _padding_amounts(self) -> tuple[int, int, int, int]:
         if self.padding == "valid":
@@ -376,4 +379,4 @@ class SparseConv2d(_SparseConvolution):
 
 
 
-SparseConv2d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
+_SparseConvolution.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py

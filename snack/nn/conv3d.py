@@ -8,8 +8,8 @@ planes end to end, ``(N, C, Dp · Hp, Wp)``, where kernel tap ``(i, j, l)`` read
 connections at those taps (:meth:`SparseConv3d._flattened`). With strides, every stride phase of
 every dimension becomes a block of rows of its own (:class:`_PlaneLayout`), so that each tap is
 again one 2-D tap and the 2-D convolution runs at stride 1, unpadded: the 2-D kernels then lay
-nothing out (at stride 2 their own phase split of this tall plane cost more than their multiply-
-adds). The output rows and columns that straddle two planes are computed and dropped: ``(kh - 1)
+nothing out (at stride 2 their own phase split of this tall plane cost more than their
+multiply-adds). The output rows and columns that straddle two planes are computed and dropped: ``(kh - 1)
 · dh`` of every ``Hp`` rows at stride 1 (2 of 18 for a 3×3×3 kernel on 16³ inputs), as a 2-D
 convolution's flat walk drops ``(kw - 1) · dw`` columns of every row.
 """
@@ -26,9 +26,7 @@ from snack import backends
 from snack.backends import full
 from snack.backends.cpu import conv as direct
 from snack.func import transforms_active
-from snack.nn import tracing
 from snack.nn.conv import _SparseConvolution
-from snack.nn.conv_base import _no_tracer_warnings
 from snack.ops import _sparse_linear
 from snack.topology import INDEX_DTYPE, Topology, _outside_transient_modes
 
@@ -56,9 +54,8 @@ class SparseConv3d(_SparseConvolution):
 
     * on the CPU, float32 and float64, eagerly: the 2-D direct sparse kernels on the padded
       input laid out as one plane (the module docstring), nothing unfolded; the laid-out input is
-      one copy, kept for the backward; except
-      where im2col rows are faster (few output positions for the connections,
-      :func:`snack.backends.cpu.conv.rows_are_faster`);
+      one copy, kept for the backward; except where im2col rows are faster (few output positions
+      for the connections, :func:`snack.backends.cpu.conv.rows_are_faster`);
     * elsewhere (a GPU, other dtypes, ``torch.autocast``, ``torch.compile``, tracing,
       ``torch.func`` transforms, a forced backend): im2col, the input's windows unfolded into
       ``(N · D_out · H_out · W_out, in_features)`` rows through :class:`SparseLinear`'s ops. The
@@ -78,6 +75,7 @@ class SparseConv3d(_SparseConvolution):
 
     _dense_class: type[nn.Module] = nn.Conv3d
     _dims = 3
+    _computed_dims = 3
 
     def __init__(
         self,
@@ -101,6 +99,7 @@ class SparseConv3d(_SparseConvolution):
     def _set_geometry(self, in_channels: int, geometry: dict) -> None:
         super()._set_geometry(in_channels, geometry)
         self._flattened_cache: tuple | None = None  # see _flattened
+        self._layout_cache: tuple | None = None  # (input shape, its _PlaneLayout): see _direct
 
     # ------------------------------------------------------------------ geometry
 
@@ -143,22 +142,6 @@ class SparseConv3d(_SparseConvolution):
             raise ValueError(f"SparseConv3d: the input, padded to {padded}, is smaller than the dilated kernel {spans}")
 
     # ------------------------------------------------------------------ forward
-
-    def forward(self, input: Tensor) -> Tensor:
-        """``input (N, in_channels, D, H, W)`` or ``(in_channels, D, H, W)`` → ``(N, out_channels,
-        D_out, H_out, W_out)`` (or without ``N``), in the layer's dtype (see :class:`SparseLinear`)."""
-        if tracing.fx_symbolic_tracing():
-            return self._fx_forward(input)
-        if not isinstance(input, Tensor):
-            raise TypeError(f"SparseConv3d expects a Tensor input, got {type(input).__name__}")
-        batched = input.dim() == 5
-        x = input if batched else input.unsqueeze(0)
-        with _no_tracer_warnings():
-            self._check_input(input, x)
-        y = self._fast_forward(x)
-        if y is None:
-            y = self._through_rows(self._padded(x), self._product)
-        return y if batched else y.squeeze(0)
 
     def _fast_forward(self, x: Tensor) -> Tensor | None:
         """The convolution of unpadded ``x`` in eager code: ``F.conv3d`` for a full topology, the
@@ -207,7 +190,12 @@ class SparseConv3d(_SparseConvolution):
         """The 2-D direct kernels on ``x (N, C, D, H, W)`` laid out as one plane (the module
         docstring, :class:`_PlaneLayout`); ``None`` where the flattened kernel's columns would
         overflow int32."""
-        layout = _PlaneLayout(self, x)
+        cached = self._layout_cache
+        if cached is not None and cached[0] == x.shape:
+            layout = cached[1]
+        else:  # (a small layer's step paid 10 µs for building it, and 75 µs for indexing the phases)
+            layout = _PlaneLayout(self, x)
+            self._layout_cache = (x.shape, layout)
         depthwise = direct.depthwise_kernels_run(self.in_channels, self.groups)
         flattened = self._flattened(topology, layout, depthwise)
         if flattened is None:
@@ -282,7 +270,7 @@ class SparseConv3d(_SparseConvolution):
 
     def __getstate__(self):
         state = super().__getstate__()
-        state["_flattened_cache"] = None  # rebuilt on demand
+        state["_flattened_cache"] = state["_layout_cache"] = None  # rebuilt on demand
         return state
 
     # ------------------------------------------------------------------ im2col
@@ -370,6 +358,7 @@ class _PlaneLayout:
         self.output_rows = self.rows - kernel_height + 1
         self.output_columns = self.places_w - kernel_width + 1
         self.key = (planes, self.places_h, self.places_w)
+        self._copies: dict = {}  # see phase_copies
 
     def blocks_by_phase(self) -> tuple[int, ...]:
         """The plane's sizes split by phase: ``(N, C, sw, sh, sd, planes, Uh, Uw)``."""
@@ -384,23 +373,30 @@ class _PlaneLayout:
         left, _, top, _, front, _ = zero_padding
         return _ToPlane.apply(x, self, (front, top, left))
 
-    def phase_slices(self, sizes: tuple[int, ...], before: tuple[int, int, int]) -> list[tuple[tuple, tuple]]:
-        """Where the plane holds an input of ``sizes (D, H, W)`` padded by ``before`` zeros in front,
-        on top and on the left: ``(input index, plane index)`` pairs, one per stride phase that
-        holds input positions, the first of ``x[input index]``, the second of the plane viewed as
-        ``(N, C, sw, sh, sd, planes, Uh, Uw)``. The phases partition the input."""
-        per_dim = []
-        for size, stride, first in zip(sizes, self.stride, before):
-            pieces = []
-            for phase in range(stride):
-                start = first + (phase - first) % stride  # the first padded position of this phase inside
-                if start - first < size:
-                    places = slice(start // stride, start // stride + len(range(start - first, size, stride)))
-                    pieces.append((phase, slice(start - first, size, stride), places))
-            per_dim.append(pieces)
-        whole = slice(None)
-        return [((whole, whole, d, h, w), (whole, whole, ω, ψ, φ, q, u, v))
-                for φ, d, q in per_dim[0] for ψ, h, u in per_dim[1] for ω, w, v in per_dim[2]]  # fmt: skip
+    def phase_copies(self, sizes: tuple[int, ...], before: tuple[int, int, int]) -> list[tuple[tuple, tuple]]:
+        """Where the plane holds a contiguous input of ``sizes (D, H, W)`` padded by ``before``
+        zeros in front, on top and on the left: ``(input view, plane view)`` pairs of
+        ``(size, stride, storage offset)``, one per stride phase that holds input positions (the
+        phases partition the input). ``as_strided`` views, computed once per layout: indexing
+        with the eight slices of each phase cost 11 µs a phase."""
+        key = (tuple(sizes), before)
+        if key not in self._copies:
+            per_dim = []
+            for size, stride, first in zip(sizes, self.stride, before):
+                pieces = []
+                for phase in range(stride):
+                    start = first + (phase - first) % stride  # the first padded position of this phase inside
+                    if start - first < size:
+                        places = slice(start // stride, start // stride + len(range(start - first, size, stride)))
+                        pieces.append((phase, slice(start - first, size, stride), places))
+                per_dim.append(pieces)
+            x = torch.empty((self.batch, self.channels, *sizes), device="meta")
+            blocks = torch.empty(self.blocks_by_phase(), device="meta")
+            whole = slice(None)
+            views = [(x[whole, whole, d, h, w], blocks[whole, whole, ω, ψ, φ, q, u, v])
+                     for φ, d, q in per_dim[0] for ψ, h, u in per_dim[1] for ω, w, v in per_dim[2]]  # fmt: skip
+            self._copies[key] = [tuple((t.size(), t.stride(), t.storage_offset()) for t in pair) for pair in views]
+        return self._copies[key]
 
     def volume_of(self, plane: Tensor) -> Tensor:
         """The inverse of :meth:`plane_of`: the padded volume ``(N, C, sd · planes, sh · Uh, sw · Uw)``."""
@@ -433,9 +429,9 @@ class _ToPlane(torch.autograd.Function):
     def forward(ctx, x: Tensor, layout: _PlaneLayout, before: tuple[int, int, int]) -> Tensor:
         ctx.layout, ctx.before, ctx.sizes = layout, before, x.shape[-3:]
         plane = x.new_zeros(layout.batch, layout.channels, layout.rows, layout.places_w)
-        blocks = plane.view(layout.blocks_by_phase())
-        for source, target in layout.phase_slices(ctx.sizes, before):
-            blocks[target].copy_(x[source])
+        x = x.contiguous()
+        for (size, stride, offset), target in layout.phase_copies(ctx.sizes, before):
+            plane.as_strided(*target).copy_(x.as_strided(size, stride, x.storage_offset() + offset))
         return plane
 
     @staticmethod
@@ -451,9 +447,9 @@ class _FromPlane(torch.autograd.Function):
     def forward(ctx, plane: Tensor, layout: _PlaneLayout, before: tuple[int, int, int], sizes) -> Tensor:
         ctx.layout, ctx.before = layout, before
         x = plane.new_empty(layout.batch, layout.channels, *sizes)  # every element is in one phase
-        blocks = plane.contiguous().view(layout.blocks_by_phase())
-        for source, target in layout.phase_slices(sizes, before):
-            x[source].copy_(blocks[target])
+        plane = plane.contiguous()
+        for source, (size, stride, offset) in layout.phase_copies(sizes, before):
+            x.as_strided(*source).copy_(plane.as_strided(size, stride, plane.storage_offset() + offset))
         return x
 
     @staticmethod
@@ -486,5 +482,3 @@ class _KernelOrder(torch.autograd.Function):
         _, order = ctx.saved_tensors  # (reading them runs autograd's version check)
         return _in_layer_order(grad, order), None
 
-
-SparseConv3d.forward.__annotations__ = {"input": Tensor, "return": Tensor}  # see the same line in layer.py
