@@ -130,7 +130,7 @@ def gradient_grow(
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
     width = in_features if convolution is None else convolution._rows_width
-    padded_dims = None if convolution is None else 2 + len(convolution._record_geometry[0])
+    padded_dims = None if convolution is None else 2 + len(convolution._computed_geometry[0])
     if not (x.dim() == 2 and x.shape[1] == width or x.dim() == padded_dims):
         raise ValueError(
             f"gradient_grow: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp; a 3-D one's "
@@ -257,7 +257,7 @@ class _ConvolutionScores(_GradientScores):
         self.dy = convolution._output_of_rows(dy, x).to(self.dtype)  # (N, out, H_out, W_out)
         self.topology, self.groups = topology, convolution.groups
         self.native = False
-        self.geometry = convolution._record_geometry
+        self.geometry = convolution._computed_geometry
 
     def _keys(self, rows: slice) -> Tensor:
         kernel, stride, dilation = self.geometry

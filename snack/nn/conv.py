@@ -167,6 +167,32 @@ class _SparseConvolution(_SparseConvNd):
             return x
         return F.pad(x, amounts, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
 
+    def _fast_forward(self, x: Tensor) -> Tensor | None:
+        """The convolution of unpadded ``x`` in eager code: by the native kernels or the dense
+        convolution for a full topology (:meth:`_full_or_direct`), or else in a step that records
+        gradients by im2col as one node that keeps ``x``, not its rows (:mod:`snack.nn.conv_rows`);
+        ``None`` elsewhere (the composite im2col path runs)."""
+        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
+            return None
+        values, bias, topology = self._consistent_state()
+        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
+            return None  # the im2col path's checks name the problem
+        if x.device != values.device:
+            return None
+        # zero padding is the kernels' (and the rows node's) own: their input gradient then comes
+        # without it; other modes pad first
+        amounts = self._padding_amounts()
+        zero_padding = amounts if self.padding_mode == "zeros" else (0,) * len(amounts)
+        geometry = direct.ConvGeometry(*self._computed_geometry, zero_padding)
+        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
+        if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
+            y = self._full_or_direct(x, values, bias, topology, geometry, training)
+            if y is not None:
+                return y
+        if not training:
+            return None  # inference: the composite path's rows live only for the call
+        return self._rows_keeping_input(x, values, bias, topology, geometry)
+
     def _rows_keeping_input(self, x, values, bias, topology, geometry: direct.ConvGeometry) -> Tensor | None:
         """im2col as one autograd node that keeps ``x`` for the backward, not its rows
         (:mod:`snack.nn.conv_rows`), inside ``torch.autocast`` in the region's dtype; ``None`` for
@@ -305,31 +331,6 @@ class SparseConv2d(_SparseConvolution):
                 f"SparseConv2d: the input, padded to {(height, width)}, is smaller than the dilated kernel "
                 f"({dh * (kh - 1) + 1}, {dw * (kw - 1) + 1})"
             )
-
-    def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The convolution of unpadded ``x`` in eager code: by the native kernels, ``F.conv2d`` for
-        a full topology, or else in a step that records gradients by im2col as one node that keeps
-        ``x``, not its rows (:mod:`snack.nn.conv_rows`); ``None`` elsewhere (the composite im2col
-        path runs)."""
-        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
-            return None
-        values, bias, topology = self._consistent_state()
-        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
-            return None  # the im2col path's checks name the problem
-        if x.device != values.device:
-            return None
-        # zero padding is the kernels' (and the rows node's) own: their input gradient then comes
-        # without it; other modes pad first
-        zero_padding = self._padding_amounts() if self.padding_mode == "zeros" else (0, 0, 0, 0)
-        geometry = direct.ConvGeometry(self._kernel2d, self._stride2d, self._dilation2d, zero_padding)
-        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
-        if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
-            y = self._full_or_direct(x, values, bias, topology, geometry, training)
-            if y is not None:
-                return y
-        if not training:
-            return None  # inference: the composite path's rows live only for the call
-        return self._rows_keeping_input(x, values, bias, topology, geometry)
 
     def _full_or_direct(
         self, x, values, bias, topology, geometry: direct.ConvGeometry, training: bool

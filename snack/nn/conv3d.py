@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from snack import backends
 from snack.backends import full
 from snack.backends.cpu import conv as direct
-from snack.func import transforms_active
 from snack.nn.conv import _SparseConvolution
 from snack.ops import _sparse_linear
 from snack.topology import INDEX_DTYPE, Topology, _outside_transient_modes
@@ -104,7 +103,7 @@ class SparseConv3d(_SparseConvolution):
     # ------------------------------------------------------------------ geometry
 
     @property
-    def _record_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    def _computed_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         return self.kernel_size, self.stride, self.dilation
 
     def _padding_amounts(self) -> tuple[int, int, int, int, int, int]:
@@ -143,33 +142,11 @@ class SparseConv3d(_SparseConvolution):
 
     # ------------------------------------------------------------------ forward
 
-    def _fast_forward(self, x: Tensor) -> Tensor | None:
-        """The convolution of unpadded ``x`` in eager code: ``F.conv3d`` for a full topology, the
-        native kernels, or else in a step that records gradients by im2col as one node that keeps
-        ``x``, not its rows (:mod:`snack.nn.conv_rows`); ``None`` elsewhere (the composite im2col
-        path runs)."""
-        if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None or transforms_active():
-            return None
-        values, bias, topology = self._consistent_state()
-        if values.shape != (topology.nnz,) or (bias is not None and bias.shape != (self.out_features,)):
-            return None  # the im2col path's checks name the problem
-        if x.device != values.device:
-            return None
-        training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, values, bias))
-        if x.dtype == values.dtype and not torch._C._is_any_autocast_enabled():
-            y = self._full_or_direct(x, values, bias, topology, training)
-            if y is not None:
-                return y
-        if not training:
-            return None  # inference: the composite path's rows live only for the call
-        zero_padding = self._padding_amounts() if self.padding_mode == "zeros" else (0,) * 6
-        geometry = direct.ConvGeometry(self.kernel_size, self.stride, self.dilation, zero_padding)
-        return self._rows_keeping_input(x, values, bias, topology, geometry)
-
     def _full_or_direct(self, x: Tensor, values: Tensor, bias: Tensor | None, topology: Topology,
-                        training: bool) -> Tensor | None:  # fmt: skip
+                        geometry: direct.ConvGeometry, training: bool) -> Tensor | None:  # fmt: skip
         """``F.conv3d`` for a full topology, else the native kernels where they apply and im2col
-        rows would not be faster (:func:`snack.backends.cpu.conv.rows_are_faster`)."""
+        rows would not be faster (:func:`snack.backends.cpu.conv.rows_are_faster`). (``geometry``,
+        the rows node's, goes unused: the kernels run on the plane :class:`_PlaneLayout` makes.)"""
         forced = backends.forced_backend()
         if forced is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.out_channels, -1, *self.kernel_size)

@@ -74,9 +74,10 @@ class _SparseConvNd(SparseLinear):
         return self.padding if isinstance(self.padding, str) else _as_2d(self.padding, 0)
 
     @property
-    def _record_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """``(kernel, stride, dilation)`` of the padded input RigL records (:meth:`_record_of_input`):
-        2-D here (a 1-D layer's record is of height 1), 3-D for :class:`snack.SparseConv3d`."""
+    def _computed_geometry(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(kernel, stride, dilation)`` in the dimensions the layer computes in, those of the padded
+        input RigL records (:meth:`_record_of_input`): 2-D here (a 1-D layer is a 2-D one of
+        height 1), 3-D for :class:`snack.SparseConv3d`."""
         return self._kernel2d, self._stride2d, self._dilation2d
 
     def _output_size(self, height: int, width: int, padding: tuple[int, int, int, int]) -> tuple[int, int]:
