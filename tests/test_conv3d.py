@@ -267,11 +267,28 @@ def test_training_under_autocast_and_compiled_code_follow_the_im2col_path():
     torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected)
     torch.testing.assert_close(torch.compile(model, fullgraph=True, backend="eager")(x), expected,
                                atol=1e-6, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(torch.jit.trace(model, x)(x), expected, atol=1e-6, rtol=1e-5)
+    exported = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
+    other = torch.randn(5, 3, 4, 5, 4)
+    torch.testing.assert_close(exported(other), model(other), atol=1e-6, rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(x)
         low.float().sum().backward()
     assert low.dtype == torch.bfloat16 and model[0].values.grad.dtype == torch.float32
     torch.testing.assert_close(low.float(), expected, atol=0.1, rtol=0.05)
+
+
+def test_per_sample_gradients_by_torch_func():
+    layer = _layer(2, 3, kernel_size=2, stride=(1, 2, 1), sparsity=0.5)
+    params = {"values": layer.values.detach(), "bias": layer.bias.detach()}
+    x = torch.randn(3, 2, 3, 4, 3, dtype=torch.float64)
+
+    def loss(params, sample):
+        return torch.func.functional_call(layer, params, (sample,)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(3):
+        torch.testing.assert_close(per_sample["values"][i], torch.func.grad(loss)(params, x[i])["values"])
 
 
 def test_state_dict_pickle_and_deepcopy_round_trip():
