@@ -192,7 +192,7 @@ def test_rows_where_the_output_has_few_positions_for_the_connections(monkeypatch
 
 def test_a_flattened_kernel_past_int32_falls_back_to_im2col(monkeypatch):
     calls = _direct_calls(monkeypatch)
-    monkeypatch.setattr(snack.nn.conv3d, "_INT32_MAX", 100)  # (as a huge input's kernel would)
+    monkeypatch.setattr(snack.nn.plane, "_INT32_MAX", 100)  # (as a huge input's kernel would)
     layer = _layer(kernel_size=3, padding=1)
     _check_against_dense(layer, torch.randn(2, 4, 5, 6, 5, dtype=torch.float64), "direct")
     assert calls == [] and layer._flattened_cache is None
