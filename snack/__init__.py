@@ -9,7 +9,8 @@ has its whole gradient formed at once).
 from snack import dst, ops
 from snack.backends import available_backends, use_backend
 from snack.nn import (
-    SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseLinear, densify, sparsify,
+    SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
+    SparseLinear, densify, sparsify,
 )
 from snack.topology import Topology
 
@@ -21,6 +22,7 @@ __all__ = [
     "SparseConv3d",
     "SparseConvTranspose1d",
     "SparseConvTranspose2d",
+    "SparseConvTranspose3d",
     "SparseLinear",
     "Topology",
     "available_backends",

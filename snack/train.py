@@ -173,7 +173,7 @@ def dense_plus_mask(sparse_model: nn.Sequential) -> nn.Sequential:
     """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d) layers are MaskedLinear
     (MaskedConv2d) with the same topology (as the mask) and weights (builds dense matrices: it
     is the baseline)."""
-    if any(isinstance(m, snack.SparseConvTranspose2d) for m in sparse_model):
+    if any(isinstance(m, (snack.SparseConvTranspose2d, snack.SparseConvTranspose3d)) for m in sparse_model):
         raise TypeError("dense_plus_mask: transposed convolutions have no masked twin (snack train's models hold none)")
     layers = [
         MaskedConv2d(m) if isinstance(m, snack.SparseConv2d)

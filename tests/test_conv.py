@@ -421,14 +421,15 @@ def test_sparsify_warns_about_convolutions_it_leaves_dense():
         model = snack.sparsify(net, 0.5)
     [message] = [str(w.message) for w in caught if "convolution(s) dense" in str(w.message)]
     assert message.startswith(
-        "sparsify left 2 convolution(s) dense: 3 (Conv2dSubclass), 6 (ConvTranspose3d). snack has 1-D, 2-D and 3-D "
-        "convolutions and 1-D and 2-D transposed convolutions only"
+        "sparsify left 1 convolution(s) dense: 3 (Conv2dSubclass). snack converts nn.Conv1d, nn.Conv2d, nn.Conv3d, "
+        "nn.ConvTranspose1d, nn.ConvTranspose2d and nn.ConvTranspose3d themselves, not their subclasses"
     )
     assert isinstance(model[4], snack.SparseConvTranspose2d) and isinstance(model[7], snack.SparseConv3d)
+    assert isinstance(model[6], snack.SparseConvTranspose3d)
     assert isinstance(model[2], snack.SparseConv2d) and isinstance(model[0], snack.SparseConv1d)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        snack.sparsify(nn.Sequential(nn.ConvTranspose3d(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # quiet
+        snack.sparsify(nn.Sequential(Conv2dSubclass(3, 4, 3), nn.Conv2d(3, 4, 3)), 0.5, exclude="0")  # quiet
 
 
 def test_erk_is_kernel_aware():

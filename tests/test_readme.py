@@ -32,6 +32,7 @@ def test_quick_start(tmp_path, monkeypatch):
     layer, model = namespace["layer"], namespace["model"]
     assert layer.nnz == 20_070 and layer.values.grad.shape == (20_070,)  # the comments' figures
     assert namespace["image"].shape == (8, 3, 64, 64) and namespace["volume"].shape == (2, 16, 16, 16, 16)
+    assert namespace["larger"].shape == (2, 4, 32, 32, 32)
     loaded = torch.load(tmp_path / "sparse.pt")
     assert loaded.keys() == model.state_dict().keys()
 

@@ -42,7 +42,8 @@ from snack.dst.checks import check_int
 from snack.dst.layers import find_layers, listed
 from snack.dst.prune_grow import gradient_grow, magnitude_drop, random_grow
 from snack.dst.schedules import DropSchedule, cubic_sparsity
-from snack.nn import SparseConv2d, SparseConv3d, SparseConvTranspose2d, SparseLinear
+from snack.nn import SparseLinear
+from snack.nn.conv_base import _SparseConvNd
 from snack.topology import check_sparsity
 
 __all__ = ["RigL", "SET", "DropGrow", "GradualPruning"]
@@ -76,7 +77,8 @@ class DropGrow(DynamicSparsity):
 
             def grow(self, layer, k):
                 x, dy = self.recorded_batch(layer)
-                convolutions = (snack.SparseConv2d, snack.SparseConv3d, snack.SparseConvTranspose2d)
+                convolutions = (snack.SparseConv2d, snack.SparseConv3d, snack.SparseConvTranspose2d,
+                                snack.SparseConvTranspose3d)  # (the 1-D ones subclass the 2-D ones)
                 conv = layer if isinstance(layer, convolutions) else None  # its kernel, groups
                 return snack.dst.gradient_grow(x, dy, layer.topology, k, convolution=conv)
 
@@ -274,7 +276,7 @@ class RigL(DropGrow):
 
     def grow(self, layer, k):
         x, dy = self.recorded_as_kept(layer)  # a convolution's padded input, not its im2col rows
-        convolution = layer if isinstance(layer, (SparseConv2d, SparseConv3d, SparseConvTranspose2d)) else None
+        convolution = layer if isinstance(layer, _SparseConvNd) else None
         return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
 
 

@@ -18,7 +18,7 @@ from snack.sampling import sorted_sample
 from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 
 if TYPE_CHECKING:
-    from snack.nn import SparseConv2d, SparseConv3d, SparseConvTranspose2d
+    from snack.nn.conv_base import _SparseConvNd
 
 __all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
 
@@ -79,7 +79,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 @torch.no_grad()
 def gradient_grow(
     x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS,
-    convolution: SparseConv2d | SparseConv3d | SparseConvTranspose2d | None = None,
+    convolution: _SparseConvNd | None = None,
 ) -> Tensor:
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
@@ -103,7 +103,7 @@ def gradient_grow(
     torch's convolution backward, never the rows (``kh·kw`` times the input's size). A grouped
     convolution's output channels are scored against their group's input channels only, from
     its padded input or its rows (``in_channels · kh · kw`` wide, all groups). A transposed
-    convolution (:class:`snack.SparseConvTranspose2d`) is the adjoint of a convolution with its
+    convolution (:class:`snack.SparseConvTranspose2d`, ...) is the adjoint of a convolution with its
     weight, whose weight gradient it shares with the roles swapped: ``x`` is its padded output
     gradient (or that one's rows) and ``dy`` its input's rows (``(N · H · W, in_channels)``), as
     the recorded batches hold them.
@@ -119,9 +119,10 @@ def gradient_grow(
         topology: the layer's current connections (excluded from growth).
         k: how many positions to grow, at most the number of inactive positions.
         block_elements: how many scores one block may hold (a block has at least one row).
-        convolution: the :class:`snack.SparseConv2d` (or :class:`snack.SparseConv3d`,
-            :class:`snack.SparseConvTranspose2d`) whose padded input or rows ``x`` are (its kernel
-            size, stride, dilation and groups).
+        convolution: the sparse convolution (:class:`snack.SparseConv2d`, ``SparseConv1d``,
+            ``SparseConv3d``, ``SparseConvTranspose2d``, ``SparseConvTranspose1d`` or
+            ``SparseConvTranspose3d``) whose padded input or rows ``x`` are (its kernel size,
+            stride, dilation and groups).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -250,7 +251,7 @@ class _ConvolutionScores(_GradientScores):
         x: Tensor,
         dy: Tensor,
         topology: Topology,
-        convolution: SparseConv2d | SparseConv3d | SparseConvTranspose2d,
+        convolution: _SparseConvNd,
     ):
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x = x.to(self.dtype)

@@ -19,6 +19,7 @@ from snack.nn.conv3d import SparseConv3d
 from snack.nn.conv_base import _SparseConvNd
 from snack.nn.conv_transpose import SparseConvTranspose2d
 from snack.nn.conv_transpose1d import SparseConvTranspose1d
+from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 
 __all__ = ["densify", "sparsify"]
@@ -28,6 +29,7 @@ __all__ = ["densify", "sparsify"]
 SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[_SparseConvNd]] = {
     nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d, nn.Conv3d: SparseConv3d,
     nn.ConvTranspose2d: SparseConvTranspose2d, nn.ConvTranspose1d: SparseConvTranspose1d,
+    nn.ConvTranspose3d: SparseConvTranspose3d,
 }
 
 
@@ -123,7 +125,7 @@ class _LeftDense(NamedTuple):
     """Layers ``sparsify`` selected but does not convert, each as its name and why."""
 
     subclassed: list[str]  # subclasses of nn.Linear
-    other_convolutions: list[str]  # 3-D transposed convolutions (and subclasses of the converted ones)
+    other_convolutions: list[str]  # subclasses of the converted convolutions
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -160,9 +162,9 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
-            "has 1-D, 2-D and 3-D convolutions and 1-D and 2-D transposed convolutions only (nn.Conv1d, nn.Conv2d, "
-            "nn.Conv3d, nn.ConvTranspose1d and nn.ConvTranspose2d themselves), not 3-D transposed ones; exclude them "
-            "to silence this warning.",
+            "converts nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d and nn.ConvTranspose3d "
+            "themselves, not their subclasses (whose forward may differ); convert one deliberately with the sparse "
+            "layer's from_dense, or exclude it to silence this warning.",
             stacklevel=3,
         )
     if subclassed:
@@ -198,9 +200,10 @@ def sparsify(
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
     :class:`SparseLinear`, and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
-    ``nn.ConvTranspose2d`` and ``nn.ConvTranspose1d`` layers with :class:`SparseConv2d`,
-    :class:`SparseConv1d`, :class:`SparseConv3d`, :class:`SparseConvTranspose2d` and
-    :class:`SparseConvTranspose1d`, in place.
+    ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d`` layers with
+    :class:`SparseConv2d`, :class:`SparseConv1d`, :class:`SparseConv3d`,
+    :class:`SparseConvTranspose2d`, :class:`SparseConvTranspose1d` and
+    :class:`SparseConvTranspose3d`, in place.
 
     Args:
         sparsity: overall fraction of zero weights in ``[0, 1)`` across the converted layers.
@@ -226,8 +229,8 @@ def sparsify(
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
     kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
     depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
-    large ones (README, *A CIFAR MobileNetV2*). 3-D transposed convolutions (and subclasses of the
-    converted convolutions) stay dense, with a warning.
+    large ones (README, *A CIFAR MobileNetV2*). Subclasses of the converted convolutions stay
+    dense, with a warning.
     Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
     (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
     deliberately with :meth:`SparseLinear.from_dense`.
@@ -310,8 +313,8 @@ def _warn_about_what_sparsify_missed(
 
 def densify(module: nn.Module) -> nn.Module:
     """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
-    every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.ConvTranspose2d`` or
-    ``nn.ConvTranspose1d``),
+    every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
+    ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``),
     in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
