@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conv_layer import _Call  # (this script's folder)
+from conv_layer import _Call, _tasks  # (this script's folder)
 from torch import nn
 
 import snack
@@ -50,7 +50,6 @@ def variants(batch: int, channels: int, side: int, kernel: tuple[int, int, int],
         dense.bias.copy_(sparse.bias)
     mask = (dense.weight != 0).float()
     x = torch.randn(batch, channels, side, side, side)
-    x_grad = x.clone().requires_grad_()
 
     def masked(inp):
         return F.conv3d(inp, dense.weight * mask, dense.bias, stride, padding)
@@ -58,28 +57,10 @@ def variants(batch: int, channels: int, side: int, kernel: tuple[int, int, int],
     def im2col(inp):
         return sparse._through_rows(sparse._padded(inp), sparse._product)
 
-    def step(module):
-        def run():
-            module.zero_grad(set_to_none=True)
-            x_grad.grad = None
-            module(x_grad).sum().backward()
-
-        return run
-
-    def infer(module):
-        def run():
-            with torch.no_grad():
-                module(x)
-
-        return run
-
     torch.testing.assert_close(sparse(x), dense(x), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(im2col(x), dense(x), atol=1e-4, rtol=1e-4)
     modules = {"dense": dense, "mask": _Call(masked, dense), "im2col": _Call(im2col, sparse), "snack": sparse}
-    return {
-        "inference": {name: infer(module) for name, module in modules.items()},
-        "training": {name: step(module) for name, module in modules.items()},
-    }
+    return _tasks(modules, x)
 
 
 def main() -> None:

@@ -49,10 +49,18 @@ def variants(batch: int, channels: int, side: int, sparsity: float, dims: int = 
         dense.bias.copy_(sparse.bias)
     mask = (dense.weight != 0).float()
     x = torch.randn(batch, channels, *(side,) * dims)
-    x_grad = x.clone().requires_grad_()
 
     def masked(inp):
         return conv(inp, dense.weight * mask, dense.bias, padding=1, groups=groups)
+
+    torch.testing.assert_close(sparse(x), dense(x), atol=1e-4, rtol=1e-4)
+    return _tasks({"dense": dense, "mask": _Call(masked, dense), "snack": sparse}, x)
+
+
+def _tasks(modules: dict[str, nn.Module], x: torch.Tensor) -> dict[str, dict]:
+    """Per task, each module's callable: "inference" a no-grad forward of ``x``, "training" a
+    step (forward, backward of the output's sum into a copy of ``x`` and the parameters)."""
+    x_grad = x.clone().requires_grad_()
 
     def step(module):
         def run():
@@ -69,11 +77,9 @@ def variants(batch: int, channels: int, side: int, sparsity: float, dims: int = 
 
         return run
 
-    torch.testing.assert_close(sparse(x), dense(x), atol=1e-4, rtol=1e-4)
-    masked_module = _Call(masked, dense)
     return {
-        "inference": {"dense": infer(dense), "mask": infer(masked_module), "snack": infer(sparse)},
-        "training": {"dense": step(dense), "mask": step(masked_module), "snack": step(sparse)},
+        "inference": {name: infer(module) for name, module in modules.items()},
+        "training": {name: step(module) for name, module in modules.items()},
     }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from conv_layer import _Call  # (this script's folder)
+from conv_layer import _Call, _tasks  # (this script's folder)
 
 import snack
 from snack.bench.report import ResultLines, out_argument
@@ -48,7 +48,6 @@ def variants(batch: int, channels_in: int, channels_out: int, side: int, kernel:
                                                                  **geometry))  # fmt: skip
     mask = (dense.weight != 0).float()
     x = torch.randn(batch, channels_in, side, side, side)
-    x_grad = x.clone().requires_grad_()
     size = sparse._size_of_output(x, None)
 
     def masked(inp):
@@ -57,28 +56,10 @@ def variants(batch: int, channels_in: int, channels_out: int, side: int, kernel:
     def fold(inp):
         return sparse._through_fold(inp, size)
 
-    def step(module):
-        def run():
-            module.zero_grad(set_to_none=True)
-            x_grad.grad = None
-            module(x_grad).sum().backward()
-
-        return run
-
-    def infer(module):
-        def run():
-            with torch.no_grad():
-                module(x)
-
-        return run
-
     torch.testing.assert_close(sparse(x), dense(x), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fold(x), dense(x), atol=1e-4, rtol=1e-4)
     modules = {"dense": dense, "mask": _Call(masked, dense), "fold": _Call(fold, sparse), "snack": sparse}
-    return {
-        "inference": {name: infer(module) for name, module in modules.items()},
-        "training": {name: step(module) for name, module in modules.items()},
-    }
+    return _tasks(modules, x)
 
 
 def main() -> None:
