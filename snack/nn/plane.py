@@ -49,8 +49,7 @@ class _Convolution3d:
 
     def _output_size(self, *padded: int) -> tuple[int, int, int]:
         """``(D_out, H_out, W_out)`` of a padded input of sizes ``(Dp, Hp, Wp)``."""
-        return tuple((size - d * (k - 1) - 1) // s + 1
-                     for size, k, s, d in zip(padded, self.kernel_size, self.stride, self.dilation))  # fmt: skip
+        return _convolved_size(padded, self.kernel_size, self.stride, self.dilation)
 
     def _plane_layout(self, key: tuple, batch: int, channels: int, padded: tuple[int, int, int]) -> _PlaneLayout:
         """The :class:`_PlaneLayout` of a padded input ``(batch, channels, *padded)``, cached under
@@ -142,6 +141,12 @@ class _Convolution3d:
         return rows.view(x.shape[0], *sizes, self.out_features).movedim(-1, 1)
 
 
+def _convolved_size(padded: tuple[int, ...], kernel_size: tuple[int, ...], stride: tuple[int, ...],
+                    dilation: tuple[int, ...]) -> tuple[int, ...]:  # fmt: skip
+    """A convolution's output size for a padded input of sizes ``padded``."""
+    return tuple((size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(padded, kernel_size, stride, dilation))
+
+
 class _PlaneLayout:
     """How a 3-D convolution of ``kernel_size``, ``stride`` and ``dilation`` lays its padded input
     ``(N, C, Dp, Hp, Wp)`` (``batch``, ``channels``, ``padded``) out as one 2-D plane that the 2-D
@@ -164,8 +169,7 @@ class _PlaneLayout:
                  dilation: tuple[int, int, int], batch: int, channels: int, padded: tuple[int, int, int]):  # fmt: skip
         self.stride, self.batch, self.channels = stride, batch, channels
         self.padded = padded
-        self.output = tuple((size - d * (k - 1) - 1) // s + 1 for size, k, s, d in zip(padded, kernel_size, stride,
-                                                                                       dilation))  # fmt: skip
+        self.output = _convolved_size(padded, kernel_size, stride, dilation)
         # per dimension, each tap's (phase, place)
         per_dim = [[(t * d % s, t * d // s) for t in range(k)] for k, s, d in zip(kernel_size, stride, dilation)]
         (sd, sh, sw), (_, height, width) = self.stride, padded
