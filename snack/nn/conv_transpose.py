@@ -30,7 +30,7 @@ class _SparseConvTransposed(_SparseConvNd):
     """What :class:`SparseConvTranspose2d` (and :class:`snack.SparseConvTranspose1d`) and
     :class:`snack.SparseConvTranspose3d` share: the constructors, the output's size, the forward's
     frame, the composite path's checks, the records RigL scores and the conversions, in the
-    dimensions the layer computes in (``_computed_geometry``, ``_computed_padding``,
+    dimensions the layer computes in (``_computed_dims``, ``_computed_geometry``, ``_computed_padding``,
     ``_computed_output_padding``: 2-D for a 1-D layer). Subclasses give ``_direct`` (the native
     kernels) and ``_folded`` (the composite path)."""
 
@@ -271,10 +271,7 @@ class _SparseConvTransposed(_SparseConvNd):
         to ``stride - 1`` more, as ``nn.ConvTranspose2d``)."""
         name, dims = type(self).__name__, self._dims
         spatial = tuple(input.shape[-dims:])
-        smallest = tuple(
-            (n - 1) * s - 2 * p + d * (k - 1) + 1
-            for n, s, p, d, k in zip(spatial, self.stride, self.padding, self.dilation, self.kernel_size)
-        )
+        smallest = _smallest_output_size(spatial, self.kernel_size, self.stride, self.padding, self.dilation)
         if output_size is None:
             size = tuple(low + o for low, o in zip(smallest, self.output_padding))
         else:
@@ -315,9 +312,9 @@ class _SparseConvTransposed(_SparseConvNd):
         if backends.forced_backend() is None and full.applies(x.device, topology.tensors()):
             weight = values.view(self.in_channels, -1, *kernel)
             conv_transpose = F.conv_transpose3d if len(kernel) == 3 else F.conv_transpose2d
-            output_padding = tuple(out - ((n - 1) * s - 2 * p + d * (k - 1) + 1) for out, n, s, p, d, k in zip(
-                size, x.shape[2:], stride, self._computed_padding, dilation, kernel))  # fmt: skip
             padding = self._computed_padding
+            smallest = _smallest_output_size(x.shape[2:], kernel, stride, padding, dilation)
+            output_padding = tuple(out - low for out, low in zip(size, smallest))
             return conv_transpose(x, weight, bias, stride, padding, output_padding, self.groups, dilation)
         if not direct.applies(x, values):
             return None
@@ -344,14 +341,15 @@ class _SparseConvTransposed(_SparseConvNd):
             )
         kernel, stride, dilation = self._computed_geometry
         padding, output_padding = self._computed_padding, self._computed_output_padding
-        lifted = len(kernel) != self._dims  # a 1-D layer computes as a 2-D one of height 1
+        lifted = self._computed_dims != self._dims  # a 1-D layer computes as a 2-D one of height 1
         x = input.unsqueeze(-2) if lifted else input
         # the positions the adjoint convolution gives beyond the input's (a geometry's constant, see _transposed)
         extension = [o // s for o, s in zip(output_padding, stride)]
         if any(extension):
             x = F.pad(x, [amount for e in reversed(extension) for amount in (0, e)])
-        size = [(x.shape[2 + d] - extension[d] - 1) * stride[d] - 2 * padding[d] + dilation[d] * (kernel[d] - 1)
-                + output_padding[d] + 1 for d in range(len(kernel))]  # fmt: skip
+        spatial = [x.shape[2 + d] - extension[d] for d in range(self._computed_dims)]  # the input's (proxies)
+        smallest = _smallest_output_size(spatial, kernel, stride, padding, dilation)
+        size = [low + o for low, o in zip(smallest, output_padding)]
         col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)
         shape = (self.out_features, self._rows_width)
         y = self._folded(x, self.bias, size, lambda rows: tracing.fx_sparse_linear_transposed(
@@ -368,12 +366,12 @@ class _SparseConvTransposed(_SparseConvNd):
 
     def _record_of_input(self, x: Tensor) -> Tensor:
         """``x (N, in_channels, *spatial)`` (or unbatched), a copy."""
-        x = x if x.dim() == len(self._computed_padding) + 2 else x.unsqueeze(0)
+        x = x if x.dim() == self._computed_dims + 2 else x.unsqueeze(0)
         return x.clone(memory_format=torch.contiguous_format)
 
     def _record_of_output_gradient(self, dy: Tensor) -> Tensor:
         """``dy (N, out_channels, *spatial_out)`` (or unbatched) zero padded as ``c`` pads its input."""
-        dy = dy if dy.dim() == len(self._computed_padding) + 2 else dy.unsqueeze(0)
+        dy = dy if dy.dim() == self._computed_dims + 2 else dy.unsqueeze(0)
         return F.pad(dy, self._zero_padding()).contiguous()
 
     def _operands_of_records(self, input_record: Tensor, gradient_record: Tensor) -> tuple[Tensor, Tensor]:
@@ -458,6 +456,7 @@ class SparseConvTranspose2d(_SparseConvTransposed):
 
     _dense_class = nn.ConvTranspose2d
     _dims = 2
+    _computed_dims = 2
 
     def __init__(
         self,
@@ -502,6 +501,14 @@ class SparseConvTranspose2d(_SparseConvTransposed):
         y = F.fold(columns, size, self._kernel2d, dilation=self._dilation2d, padding=self._padding2d,
                    stride=self._stride2d)  # fmt: skip
         return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+
+def _smallest_output_size(spatial, kernel_size, stride, padding, dilation) -> tuple:
+    """A transposed convolution's output size for an input of ``spatial`` sizes without output
+    padding (``(n - 1) · stride - 2 · padding + dilation · (k - 1) + 1`` per dimension; ints or FX
+    proxies)."""
+    return tuple((n - 1) * s - 2 * p + d * (k - 1) + 1
+                 for n, k, s, p, d in zip(spatial, kernel_size, stride, padding, dilation))  # fmt: skip
 
 
 def _check_transposed_channels(in_channels, out_channels, geometry: dict, layer: str) -> None:

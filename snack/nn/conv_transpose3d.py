@@ -58,6 +58,7 @@ class SparseConvTranspose3d(_Convolution3d, _SparseConvTransposed):
 
     _dense_class = nn.ConvTranspose3d
     _dims = 3
+    _computed_dims = 3
 
     def __init__(
         self,
