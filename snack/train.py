@@ -4,7 +4,8 @@
 ``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model);
 ``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
 pooling) and ``→ width → 10``, built dense and sparsified that way. Either is trained with AdamW
-(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it.
+(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it,
+or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while regrowing as RigL does.
 ``--compare`` trains the same architecture dense (``nn.Linear``, ``nn.Conv2d``) and as
 Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
 initial weights as the sparse model) with identical data order, and prints a side-by-side table.
@@ -40,7 +41,10 @@ __all__ = [
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75
 
-ALGORITHMS = ("rigl", "set", "static")
+ALGORITHMS = ("rigl", "set", "granet", "static")
+
+# GraNet's starting sparsity when --initial-sparsity is not given (the paper's sparse-to-sparse runs)
+GRANET_INITIAL_SPARSITY = 0.5
 
 # hidden width of the fully connected layers when --width is not given
 DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256}
@@ -52,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
-                        help="overall sparsity of the linear and convolution layers (default: 0.9)")
+                        help="overall sparsity of the linear and convolution layers (default: 0.9); granet's final one")
+    parser.add_argument("--initial-sparsity", type=sparsity_argument, default=None,
+                        help=f"granet only: the sparsity it starts from and prunes down from "
+                             f"(default: {GRANET_INITIAL_SPARSITY})")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
     parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: 10)")
     parser.add_argument("--width", type=positive_int, default=None,
@@ -230,7 +237,13 @@ class _Run:
         # cosine decay of the learning rate to 0 over training; DST keeps the scheduler valid
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=total_steps)
         self.dst = None
-        if algorithm in ("rigl", "set"):
+        if algorithm == "granet":  # prunes until DST_STOP_FRACTION of the run, regrows until its end
+            self.dst = snack.dst.GraNet(
+                model, self.optimizer, final_sparsity=args.sparsity, start_step=0,
+                end_step=max(1, math.floor(DST_STOP_FRACTION * total_steps)), total_steps=total_steps,
+                update_every=args.update_every, drop_fraction=args.drop_fraction, seed=args.seed,
+            )
+        elif algorithm in ("rigl", "set"):
             cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
             with warnings.catch_warnings():  # "will never change the topology": run() has said so
                 warnings.filterwarnings("ignore", "(RigL|SET) will never change", UserWarning)
@@ -260,7 +273,7 @@ def train_models(
     models: list[tuple[str, nn.Module, str | None]], data: Digits, args: argparse.Namespace
 ) -> list[Result]:
     """Train each ``(name, model, algorithm)`` with AdamW on the same batches in the same order
-    (from ``args.seed``); ``algorithm`` ``"rigl"``/``"set"`` rewires the SparseLinear layers.
+    (from ``args.seed``); ``algorithm`` ``"rigl"``/``"set"``/``"granet"`` rewires the SparseLinear layers.
 
     The models take their steps in turn, batch by batch, so a slowdown of the machine hits them
     alike; each step is timed on its own (forward, backward, optimizer and DST step).
@@ -326,6 +339,9 @@ def _peak_memory(device: torch.device) -> str:
 def run(args: argparse.Namespace) -> int:
     if unavailable_device("train", args.device):
         return 2
+    starting = _starting_sparsity(args)
+    if starting is None:
+        return 2
     data = Digits(*(t.to(args.device) if isinstance(t, Tensor) else t for t in load_digits(args.limit)))
     in_features = data.x_train.shape[1]
     print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out")
@@ -335,22 +351,23 @@ def run(args: argparse.Namespace) -> int:
     width = args.width or DEFAULT_WIDTH[args.model]
     torch.manual_seed(args.seed)
     if args.model == "mlp":
-        sparse = sparse_mlp(in_features, width, args.sparsity, args.distribution, args.device)
+        sparse = sparse_mlp(in_features, width, starting, args.distribution, args.device)
         description = f"MLP {in_features}-{width}-{width}-10"
         dense_model = lambda: mlp(in_features, width)  # noqa: E731
     else:
         side = math.isqrt(in_features)  # the digits are square
-        sparse = sparse_cnn(side, width, args.sparsity, args.distribution, args.device)
+        sparse = sparse_cnn(side, width, starting, args.distribution, args.device)
         description = f"CNN {side}×{side} → conv3×3 32, pool → conv3×3 64, pool → {width} → 10"
         dense_model = lambda: cnn(side, width)  # noqa: E731
     layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
-    shapes = " · ".join(f"{_shape(m)} {1 - m.sparsity:.3f}" for m in layers)
-    print(f"model: {description}, {args.distribution} densities: {shapes}")
+    print(f"model: {description}, {args.distribution} densities: {_densities(layers)}")
     print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
     masked = dense_plus_mask(sparse) if args.compare else None
     dense = dense_model().to(args.device) if args.compare else None
 
-    label = f"{args.algorithm} {100 * args.sparsity:.4g}%"  # 0.999 reads 99.9%, not 100%
+    label = f"{args.algorithm} {_percent(args.sparsity)}"
+    if starting != args.sparsity:
+        label = f"{args.algorithm} {_percent(starting)}→{_percent(args.sparsity)}"
     models = [(label, sparse, args.algorithm)]
     if args.compare:
         models += [("dense", dense, None), ("dense+mask", masked, None)]
@@ -362,12 +379,39 @@ def run(args: argparse.Namespace) -> int:
         f"({main.steps} steps, {main.topology_updates} topology updates), "
         f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB"
     )
+    if args.algorithm == "granet":
+        print(f"granet's densities after pruning: {_densities(layers)}")
     # one process trains every model: its peak is theirs together, with the data and torch itself
     models_run = "all three models" if args.compare else "this model"
     print(f"process peak memory ({models_run}, the data and torch itself): {_peak_memory(args.device)}")
     if args.compare:
         print(_table(results))
     return 0
+
+
+def _starting_sparsity(args: argparse.Namespace) -> float | None:
+    """The sparsity the model is built at: ``--sparsity``, or granet's ``--initial-sparsity``;
+    ``None``, after saying why on stderr, for options that do not fit together."""
+    if args.algorithm != "granet":
+        if args.initial_sparsity is not None:
+            print(f"snack train: --initial-sparsity is granet's (it prunes from there to --sparsity); "
+                  f"--algorithm {args.algorithm} keeps one sparsity, --sparsity", file=sys.stderr)  # fmt: skip
+            return None
+        return args.sparsity
+    initial = GRANET_INITIAL_SPARSITY if args.initial_sparsity is None else args.initial_sparsity
+    if initial > args.sparsity:
+        print(f"snack train: --initial-sparsity {initial} is above --sparsity {args.sparsity}: granet prunes, "
+              f"so it must start at most as sparse as it ends", file=sys.stderr)  # fmt: skip
+        return None
+    return initial
+
+
+def _densities(layers: list[snack.SparseLinear]) -> str:
+    return " · ".join(f"{_shape(m)} {1 - m.sparsity:.3f}" for m in layers)
+
+
+def _percent(sparsity: float) -> str:
+    return f"{100 * sparsity:.4g}%"  # 0.999 reads 99.9%, not 100%
 
 
 def _shape(layer: snack.SparseLinear) -> str:

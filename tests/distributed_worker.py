@@ -52,7 +52,13 @@ def pruning(net: nn.Module, optimizer):
     return snack.dst.GradualPruning(net, optimizer, final_sparsity=0.9, start_step=2, end_step=4, update_every=1)
 
 
-ALGORITHMS = {"rigl": rigl, "pruning": pruning}
+def granet(net: nn.Module, optimizer):
+    # prunes (nnz shrinks) and regrows from the gathered records at steps 2 and 4
+    return snack.dst.GraNet(net, optimizer, final_sparsity=0.9, start_step=0, end_step=4, total_steps=8,
+                            update_every=2, grow_init="random")
+
+
+ALGORITHMS = {"rigl": rigl, "pruning": pruning, "granet": granet}
 
 
 def layers_state(net: nn.Module) -> list[dict]:
@@ -76,7 +82,7 @@ def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if dst.step() and algorithm == "pruning":
+        if dst.step() and algorithm in ("pruning", "granet"):
             ddp = DistributedDataParallel(net)  # DDP's gradient buckets have the old sizes
     return layers_state(net), dst.generator.get_state()
 

@@ -75,6 +75,17 @@ def test_updates_stop_after_stop_fraction_and_return_flags():
     assert [t + 1 for t, f in enumerate(flags) if f] == [5, 10, 15]  # step 20: cosine fraction is 0
 
 
+def _options(algorithm, *, total_steps=1000, final_sparsity=0.95, start_step=0, end_step=10):
+    """The arguments ``algorithm`` requires: the pruning schedule for GradualPruning and GraNet,
+    ``total_steps`` for the others and GraNet."""
+    options = {}
+    if algorithm in (snack.dst.GradualPruning, snack.dst.GraNet):
+        options.update(final_sparsity=final_sparsity, start_step=start_step, end_step=end_step)
+    if algorithm is not snack.dst.GradualPruning:
+        options.update(total_steps=total_steps)
+    return options
+
+
 def _squared_error(module, x, target):
     ((module(x) - target) ** 2).sum().backward()
 
@@ -378,20 +389,18 @@ def test_load_state_dict_rejects_another_configuration():
         snack.dst.RigL(model, opt, update_every=10, total_steps=100).load_state_dict(state)
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet])
 def test_load_state_dict_rejects_malformed_states_naming_what_is_wrong(algorithm):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gradual = {"final_sparsity": 0.9, "start_step": 0, "end_step": 100}
-    options = gradual if algorithm is snack.dst.GradualPruning else {"total_steps": 1000}
-    dst = algorithm(model, opt, **options)
+    dst = algorithm(model, opt, **_options(algorithm, final_sparsity=0.9, start_step=0, end_step=100))
     state = dst.state_dict()
     before = copy.deepcopy(state)
     with pytest.raises(TypeError, match="expected the dict"):
         dst.load_state_dict(None)
     with pytest.raises(ValueError, match="no 'step' entry"):
         dst.load_state_dict({key: value for key, value in state.items() if key != "step"})
-    if algorithm is snack.dst.GradualPruning:  # counts that later divided by zero or crashed a step
+    if "initial_nnz" in state:  # GradualPruning, GraNet: counts that later divided by zero or crashed a step
         for bad in (["a"] * 3, [-5, 1, 1], [2.5, 1, 1], [10**9, 1, 1], [True, 1, 1]):
             with pytest.raises(ValueError, match="initial_nnz"):
                 dst.load_state_dict({**state, "initial_nnz": bad})
@@ -541,22 +550,19 @@ def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
         (dict(layers=0), TypeError, "layers must be None .* got int 0"),
     ],
 )
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
 def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, error, match):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = _snapshot(model, opt)
-    if algorithm == "GradualPruning":
-        kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10, **kwargs)
-    else:
-        kwargs = dict(total_steps=1000, **kwargs)
+    algorithm = getattr(snack.dst, algorithm)
     with pytest.raises(error, match=match):
-        getattr(snack.dst, algorithm)(model, opt, **kwargs)
+        algorithm(model, opt, **_options(algorithm), **kwargs)
     assert not any(m._forward_hooks for m in model.modules())
     _same(before, _snapshot(model, opt))
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
 @pytest.mark.parametrize(
     "make_iterable",
     [lambda names: (n for n in names), lambda names: filter(None, names), lambda names: iter(names)],
@@ -565,15 +571,12 @@ def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, 
 def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    layers = make_iterable(["0", "4"])
-    if algorithm == "GradualPruning":
-        dst = snack.dst.GradualPruning(model, opt, final_sparsity=0.95, start_step=0, end_step=10, layers=layers)
-    else:
-        dst = getattr(snack.dst, algorithm)(model, opt, total_steps=1000, layers=layers)
+    algorithm = getattr(snack.dst, algorithm)
+    dst = algorithm(model, opt, layers=make_iterable(["0", "4"]), **_options(algorithm))
     assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
 @pytest.mark.parametrize("layers", [None, ["0"]], ids=["all", "one of the two"])
 def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
     # a rewire of one would leave the other reading the new values at its old connections
@@ -581,12 +584,9 @@ def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
     model[2].set_topology(model[0].row, model[0].col)
     model[2].values = model[0].values
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if algorithm == "GradualPruning":
-        kwargs = dict(final_sparsity=0.95, start_step=0, end_step=10)
-    else:
-        kwargs = dict(total_steps=1000)
+    algorithm = getattr(snack.dst, algorithm)
     with pytest.raises(ValueError, match="layers '0' and '2' share one values Parameter"):
-        getattr(snack.dst, algorithm)(model, opt, layers=layers, **kwargs)
+        algorithm(model, opt, layers=layers, **_options(algorithm))
 
 
 def test_model_without_sparse_layers_and_mismatched_optimizer_are_rejected():
@@ -962,14 +962,11 @@ def test_gradual_pruning_does_not_prune_a_frozen_layer():
     assert layers[0].nnz < nnz[0] and layers[2].nnz < nnz[2]
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet])
 def test_a_step_under_inference_mode_leaves_trainable_layers_and_optimizer_state(algorithm):
     model = _model(sparsity=0.5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    if algorithm is snack.dst.GradualPruning:
-        dst = algorithm(model, opt, final_sparsity=0.9, start_step=0, end_step=6, update_every=2)
-    else:
-        dst = algorithm(model, opt, update_every=2, total_steps=20)
+    dst = algorithm(model, opt, update_every=2, **_options(algorithm, total_steps=20, end_step=6))
     changed = 0
     for x, y in _batches(6):
         loss = nn.functional.cross_entropy(model(x), y)

@@ -155,3 +155,32 @@ def test_dense_plus_mask_computes_what_the_sparse_cnn_does():
     y_masked.backward(g)
     assert int((conv.weight.grad != 0).sum()) <= sparse[4].nnz
     assert (conv.weight.grad[conv.mask == 0] == 0).all()
+
+
+def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys):
+    code = cli.main(
+        ["train", "--algorithm", "granet", "--initial-sparsity", "0.6", "--sparsity", "0.9", "--width", "32",
+         "--epochs", "2", "--limit", "600", "--batch-size", "32", "--update-every", "5", "--lr", "1e-2",
+         "--no-progress"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert float(re.search(r"granet 60%→90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
+    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    start = re.search(r"erk densities: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)\n", out).groups()
+    end = re.search(r"granet's densities after pruning: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)", out)
+    sizes = (32 * 784, 32 * 32, 10 * 32)
+    overall = [sum(float(d) * n for d, n in zip(densities, sizes)) / sum(sizes) for densities in (start, end.groups())]
+    assert overall[0] == pytest.approx(0.4, abs=1e-3) and overall[1] == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algorithm", "rigl", "--initial-sparsity", "0.5"], "--initial-sparsity is granet's"),
+        (["--algorithm", "granet", "--sparsity", "0.3"], "--initial-sparsity 0.5 is above --sparsity 0.3"),
+    ],
+)
+def test_snack_train_refuses_initial_sparsity_options_that_do_not_fit(argv, message, capsys):
+    assert cli.main(["train", *argv, "--limit", "64", "--no-progress"]) == 2
+    assert message in capsys.readouterr().err

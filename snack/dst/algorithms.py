@@ -14,6 +14,9 @@ RigL            lowest ``|w|``                 largest ``|∂L/∂W|`` at inacti
 GradualPruning  lowest ``|w|``, nnz shrinks    nothing
 =============== ============================== ========================================
 
+:class:`~snack.dst.granet.GraNet` (its own module) prunes as GradualPruning does (or globally)
+and regrows as RigL does.
+
 Growth is among positions inactive *before* the drop, so a connection dropped in an update is
 never regrown in the same update (RigL's and SET's reference code may regrow one; the README's
 *Departures from the reference code* lists this and the other differences).
@@ -49,6 +52,30 @@ from snack.topology import check_sparsity
 __all__ = ["RigL", "SET", "DropGrow", "GradualPruning"]
 
 GROW_INITS = ("zero", "random")
+
+
+def check_grow_init(grow_init) -> None:
+    if grow_init not in GROW_INITS:
+        raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
+
+
+def grown_values(grow_init: str, layer: SparseLinear, k: int, generator: torch.Generator) -> Tensor | None:
+    """``(k,)`` initial weights of ``k`` connections grown in ``layer``: ``None`` (zeros) for
+    ``grow_init="zero"``; for ``"random"`` the layer's own init, ``U(-1/√fan_in, 1/√fan_in)`` with
+    ``fan_in = nnz / out`` (see :class:`SparseLinear`), drawn from ``generator``."""
+    if grow_init == "zero":
+        return None
+    bound = 1.0 / math.sqrt(max(1.0, layer.nnz / layer.out_features))
+    draw = torch.rand(k, generator=generator, dtype=torch.float64) * 2 - 1
+    return (draw * bound).to(device=layer.values.device, dtype=layer.values.dtype)
+
+
+def gradient_growth(dst: DynamicSparsity, layer: SparseLinear, k: int) -> Tensor:
+    """RigL's growth: the ``k`` inactive positions of ``layer`` with the largest ``|∂L/∂W|`` of the
+    batch ``dst`` recorded (a convolution's from its padded input, never its im2col rows)."""
+    x, dy = dst.recorded_as_kept(layer)
+    convolution = layer if isinstance(layer, _SparseConvNd) else None
+    return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
 
 
 class DropGrow(DynamicSparsity):
@@ -108,8 +135,7 @@ class DropGrow(DynamicSparsity):
         layers = listed(layers)
         self._agree_across_ranks(model, optimizer, constructor_arguments(locals()))
         self.schedule = DropSchedule(drop_fraction, update_every, total_steps, stop_fraction, schedule)  # checks them
-        if grow_init not in GROW_INITS:
-            raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
+        check_grow_init(grow_init)
         why = self.schedule.why_static()
         if why is not None:  # a DST run that would silently train a static topology
             warnings.warn(
@@ -155,29 +181,12 @@ class DropGrow(DynamicSparsity):
         recorded = self._batches[index] if self._capture is not None else ()
         if k == 0 or recorded is ON_RANK_ZERO:
             return NO_POSITIONS, NO_POSITIONS, None  # on several ranks, rank 0 decides from every rank's records
-        if recorded is None:
-            raise RuntimeError(
-                f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}. Run the "
-                "step's forward and backward through this layer between dst.step() calls; it records nothing if "
-                "the layer was not used in them, ran only under no_grad or inference mode, was frozen "
-                "(values.requires_grad False) during its forward, ran inside torch.func.vmap (per-sample gradients: "
-                "its batched tensors cannot be recorded), or ran in a compiled model that does not run the "
-                "recording hooks RigL adds before each update step: compile without fullgraph=True, and set "
-                "torch._dynamo.config.skip_nnmodule_hook_guards = False so that Dynamo notices them"
-            )
-        if recorded and not all(bool(torch.isfinite(t).all()) for t in recorded):
-            # e.g. a mixed-precision step whose gradients overflowed (GradScaler skips its optimizer
-            # step): scores from inf/NaN would pick arbitrary positions. Decided here, where the
-            # records are (rank 0 on several ranks, whose choice every rank applies).
-            warnings.warn(
-                f"{type(self).__name__} update at step {step}: the batch recorded for layer {name!r} has non-finite "
-                "values (inf or NaN, e.g. an overflowed mixed-precision step); this layer is left alone at this update",
-                RuntimeWarning,
-            )
+        self._check_recorded(step, name, recorded)
+        if not self._records_are_finite(step, name, recorded, "this layer is left alone at this update"):
             return NO_POSITIONS, NO_POSITIONS, None
         drop = self._hook_positions(self.drop(layer, k), "drop", name, k)
         grow = self._hook_positions(self.grow(layer, k), "grow", name, k)
-        return drop, grow, self._grow_values(layer, k)
+        return drop, grow, grown_values(self.grow_init, layer, k, self.generator)
 
     def _hook_positions(self, positions, hook: str, name: str, k: int) -> Tensor:
         """What :meth:`drop` or :meth:`grow` returned, after checking it holds ``k`` positions
@@ -190,15 +199,6 @@ class DropGrow(DynamicSparsity):
                 f"{type(self).__name__}.{hook} must return integer positions for layer {name!r}, got {positions.dtype}"
             )
         return positions
-
-    def _grow_values(self, layer: SparseLinear, k: int) -> Tensor | None:
-        if self.grow_init == "zero":
-            return None
-        # the layer's own init: U(-1/√fan_in, 1/√fan_in), fan_in = nnz / out (see SparseLinear)
-        bound = 1.0 / math.sqrt(max(1.0, layer.nnz / layer.out_features))
-        draw = torch.rand(k, generator=self.generator, dtype=torch.float64) * 2 - 1
-        return (draw * bound).to(device=layer.values.device, dtype=layer.values.dtype)
-
 
 class SET(DropGrow):
     """Sparse Evolutionary Training (Mocanu et al., 2018): drop the weakest ``|w|``, regrow at random.
@@ -275,9 +275,7 @@ class RigL(DropGrow):
     needs_gradient = True
 
     def grow(self, layer, k):
-        x, dy = self.recorded_as_kept(layer)  # a convolution's padded input, not its im2col rows
-        convolution = layer if isinstance(layer, _SparseConvNd) else None
-        return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
+        return gradient_growth(self, layer, k)
 
 
 class GradualPruning(DynamicSparsity):
@@ -396,12 +394,16 @@ class GradualPruning(DynamicSparsity):
         return (step - self.start_step) % self.update_every == 0 or step == self.end_step
 
     def _plan(self, step, index, name, layer):
+        return magnitude_drop(layer.values, self._pruned_count(step, index, layer)), NO_POSITIONS, None
+
+    def _pruned_count(self, step: int, index: int, layer: SparseLinear) -> int:
+        """How many connections of layer ``index`` the update at ``step`` prunes: down to its
+        starting count scaled by the schedule, at least one connection."""
         # Scaled from the density the layers had at the start (not 1 - initial_sparsity, which the
         # caller may set apart from it), so the overall sparsity is s_t (once s_t passes it).
         total = sum(layer.out_features * layer.in_features for _, layer in self.layers)
         if sum(self.initial_nnz) == 0:  # nothing was connected: nothing to prune
-            return NO_POSITIONS, NO_POSITIONS, None
+            return 0
         ratio = (1.0 - self.sparsity(step)) / (sum(self.initial_nnz) / total)
         target = max(1, round(self.initial_nnz[index] * ratio))
-        drop = magnitude_drop(layer.values, max(0, layer.nnz - target))
-        return drop, NO_POSITIONS, None
+        return max(0, layer.nnz - target)

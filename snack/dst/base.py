@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -302,6 +303,36 @@ class DynamicSparsity:
                 None if frozen else self._recorded(step, i, layer)
                 for i, ((_, layer), frozen) in enumerate(zip(self.layers, self._frozen()))
             ]
+
+    def _check_recorded(self, step: int, name: str, recorded) -> None:
+        """Raise ``RuntimeError`` saying why when nothing was recorded (``recorded is None``) for
+        layer ``name`` in the training step of the update at ``step``."""
+        if recorded is not None:
+            return
+        raise RuntimeError(
+            f"{type(self).__name__} update at step {step}: no gradient was recorded for layer {name!r}. Run the "
+            "step's forward and backward through this layer between dst.step() calls; it records nothing if "
+            "the layer was not used in them, ran only under no_grad or inference mode, was frozen "
+            "(values.requires_grad False) during its forward, ran inside torch.func.vmap (per-sample gradients: "
+            "its batched tensors cannot be recorded), or ran in a compiled model that does not run the "
+            f"recording hooks {type(self).__name__} adds before each update step: compile without fullgraph=True, "
+            "and set torch._dynamo.config.skip_nnmodule_hook_guards = False so that Dynamo notices them"
+        )
+
+    def _records_are_finite(self, step: int, name: str, recorded: tuple[Tensor, ...], consequence: str) -> bool:
+        """Whether every recorded tensor is finite; if not, warn (``RuntimeWarning``) naming the
+        layer, the step and the ``consequence``."""
+        if all(bool(torch.isfinite(t).all()) for t in recorded):
+            return True
+        # e.g. a mixed-precision step whose gradients overflowed (GradScaler skips its optimizer
+        # step): scores from inf/NaN would pick arbitrary positions. Decided where the records
+        # are (rank 0 on several ranks, whose choice every rank applies).
+        warnings.warn(
+            f"{type(self).__name__} update at step {step}: the batch recorded for layer {name!r} has non-finite "
+            f"values (inf or NaN, e.g. an overflowed mixed-precision step); {consequence}",
+            RuntimeWarning,
+        )
+        return False
 
     def _count(self, step: int, layer: SparseLinear) -> int:
         """Connections the update at ``step`` replaces in ``layer`` (0: the layer is left alone)."""

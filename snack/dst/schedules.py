@@ -16,7 +16,7 @@ SCHEDULES = ("cosine", "constant")
 
 
 class DropSchedule:
-    """Update steps and drop fraction of SET/RigL.
+    """Update steps and drop fraction of SET/RigL (and GraNet's regrowth).
 
     An update happens at every step ``t`` with ``t % update_every == 0`` and
     ``t <= end_step``, where ``end_step = floor(stop_fraction · total_steps)``: no updates after

@@ -1,6 +1,6 @@
 """The one generic topology update of a layer: drop some connections, grow others.
 
-Every algorithm (SET, RigL, gradual pruning) only decides *which* positions to drop and grow;
+Every algorithm (SET, RigL, gradual pruning, GraNet) only decides *which* positions to drop and grow;
 :func:`rewire` applies that choice to the layer and its optimizer state, keeping the format's
 invariants (indices sorted by ``(row, col)``, unique, in range), and installs it through the
 layer's two-phase ``_prepare_topology`` (checks and allocations, changing nothing) and
