@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from snack.indexing import native_for
 from snack.topology import INDEX_DTYPE, Topology, _outside_transient_modes
 
 # the largest int32 column of a flattened kernel (its width must fit the native kernels' indices)
@@ -267,6 +268,10 @@ class _ToPlane(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, layout: _PlaneLayout, before: tuple[int, int, int]) -> Tensor:
         ctx.layout, ctx.before, ctx.sizes = layout, before, x.shape[-3:]
+        if _native(x):  # one pass, each plane element written once (plane_kernels.cpp)
+            return torch.ops.snack_cpu.volume_to_plane(
+                x, layout.rows, layout.places_w, layout.stride, layout.planes, layout.places_h, before
+            )
         plane = x.new_zeros(layout.batch, layout.channels, layout.rows, layout.places_w)
         x = x.contiguous()
         for (size, stride, offset), target in layout.phase_copies(ctx.sizes, before):
@@ -285,6 +290,8 @@ class _FromPlane(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plane: Tensor, layout: _PlaneLayout, before: tuple[int, int, int], sizes) -> Tensor:
         ctx.layout, ctx.before = layout, before
+        if _native(plane):
+            return torch.ops.snack_cpu.plane_to_volume(plane, sizes, layout.stride, layout.planes, layout.places_h, before)
         x = plane.new_empty(layout.batch, layout.channels, *sizes)  # every element is in one phase
         plane = plane.contiguous()
         for source, (size, stride, offset) in layout.phase_copies(sizes, before):
@@ -294,6 +301,12 @@ class _FromPlane(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return _ToPlane.apply(grad, ctx.layout, ctx.before), None, None, None
+
+
+def _native(tensor: Tensor) -> bool:
+    """Whether the native layout kernels take ``tensor``: float32 or float64 on the CPU, with the
+    native backend loaded and not forced off (elsewhere the torch copies, the same values)."""
+    return tensor.dtype in (torch.float32, torch.float64) and native_for(tensor)
 
 
 def _in_kernel_order(values: Tensor, order: Tensor) -> Tensor:

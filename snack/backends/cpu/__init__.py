@@ -38,7 +38,10 @@ __all__ = ["BuildError", "build", "prune"]
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp", "depthwise_kernels.cpp")
+    for name in (
+        "kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp", "depthwise_kernels.cpp",
+        "plane_kernels.cpp",
+    )
 )
 _HEADERS = (Path(__file__).with_name("conv_walk.h"),)  # included by the sources: part of the cache key
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
