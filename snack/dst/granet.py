@@ -39,7 +39,9 @@ class GraNet(GradualPruning):
        ``round(positions · (1 - s_t))`` largest ``|w|`` of all the layers together, so the layers'
        densities drift apart as their weights do; ``"layerwise"`` shrinks every layer by the same
        ratio, keeping the distribution ``sparsify`` chose (e.g. ERK), as :class:`GradualPruning`
-       does. Either way a layer keeps at least one connection.
+       does. Either way a layer keeps at least one connection; global pruning ranks raw ``|w|``,
+       so a layer whose weights start smaller (a narrow output layer, dense-to-sparse) can be
+       thinned to that one: prefer ``"layerwise"`` there, or leave the layer out (``layers=``).
     2. **neuroregeneration**: of the ``n`` connections left, ``k = floor(f_t · n)`` more with the
        smallest ``|w|`` are dropped and ``k`` grown where ``|∂L/∂W|`` of the update step's batch is
        largest among the positions inactive before the update, as :class:`RigL` grows.
