@@ -200,6 +200,7 @@ class DropGrow(DynamicSparsity):
             )
         return positions
 
+
 class SET(DropGrow):
     """Sparse Evolutionary Training (Mocanu et al., 2018): drop the weakest ``|w|``, regrow at random.
 
@@ -401,7 +402,7 @@ class GradualPruning(DynamicSparsity):
         starting count scaled by the schedule, at least one connection."""
         # Scaled from the density the layers had at the start (not 1 - initial_sparsity, which the
         # caller may set apart from it), so the overall sparsity is s_t (once s_t passes it).
-        total = sum(layer.out_features * layer.in_features for _, layer in self.layers)
+        total = sum(m.out_features * m.in_features for _, m in self.layers)
         if sum(self.initial_nnz) == 0:  # nothing was connected: nothing to prune
             return 0
         ratio = (1.0 - self.sparsity(step)) / (sum(self.initial_nnz) / total)

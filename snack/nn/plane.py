@@ -291,7 +291,9 @@ class _FromPlane(torch.autograd.Function):
     def forward(ctx, plane: Tensor, layout: _PlaneLayout, before: tuple[int, int, int], sizes) -> Tensor:
         ctx.layout, ctx.before = layout, before
         if _native(plane):
-            return torch.ops.snack_cpu.plane_to_volume(plane, sizes, layout.stride, layout.planes, layout.places_h, before)
+            return torch.ops.snack_cpu.plane_to_volume(
+                plane, sizes, layout.stride, layout.planes, layout.places_h, before
+            )
         x = plane.new_empty(layout.batch, layout.channels, *sizes)  # every element is in one phase
         plane = plane.contiguous()
         for source, (size, stride, offset) in layout.phase_copies(sizes, before):
