@@ -365,9 +365,8 @@ def run(args: argparse.Namespace) -> int:
     masked = dense_plus_mask(sparse) if args.compare else None
     dense = dense_model().to(args.device) if args.compare else None
 
-    label = f"{args.algorithm} {_percent(args.sparsity)}"
-    if starting != args.sparsity:
-        label = f"{args.algorithm} {_percent(starting)}→{_percent(args.sparsity)}"
+    ending = _percent(args.sparsity)
+    label = f"{args.algorithm} {ending if starting == args.sparsity else f'{_percent(starting)}→{ending}'}"
     models = [(label, sparse, args.algorithm)]
     if args.compare:
         models += [("dense", dense, None), ("dense+mask", masked, None)]

@@ -59,6 +59,14 @@ def check_grow_init(grow_init) -> None:
         raise ValueError(f"grow_init must be one of {GROW_INITS}, got {grow_init!r}")
 
 
+def replaced_count(fraction: float, connections: int, layer: SparseLinear) -> int:
+    """``floor(fraction · connections)``: how many of ``connections`` an update replaces in
+    ``layer``, at most the positions inactive in it (growth takes only those)."""
+    inactive = layer.out_features * layer.in_features - layer.nnz
+    # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
+    return min(math.floor(round(fraction * connections, 9)), inactive)
+
+
 def grown_values(grow_init: str, layer: SparseLinear, k: int, generator: torch.Generator) -> Tensor | None:
     """``(k,)`` initial weights of ``k`` connections grown in ``layer``: ``None`` (zeros) for
     ``grow_init="zero"``; for ``"random"`` the layer's own init, ``U(-1/√fan_in, 1/√fan_in)`` with
@@ -161,9 +169,7 @@ class DropGrow(DynamicSparsity):
 
     def _count(self, step: int, layer: SparseLinear) -> int:
         """Connections to replace: ``floor(fraction · nnz)``, at most the inactive positions."""
-        inactive = layer.out_features * layer.in_features - layer.nnz
-        # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
-        return min(math.floor(round(self.schedule.fraction(step) * layer.nnz, 9)), inactive)
+        return replaced_count(self.schedule.fraction(step), layer.nnz, layer)
 
     def drop(self, layer: SparseLinear, k: int) -> Tensor:
         """``(k,)`` unique positions into ``layer.values`` of the connections to remove; by

@@ -9,13 +9,12 @@ connections while it shrinks, and after.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from snack.dst.algorithms import GradualPruning, check_grow_init, gradient_growth, grown_values
+from snack.dst.algorithms import GradualPruning, check_grow_init, gradient_growth, grown_values, replaced_count
 from snack.dst.base import NO_POSITIONS, ON_RANK_ZERO, constructor_arguments
 from snack.dst.layers import listed
 from snack.dst.prune_grow import magnitude_drop
@@ -128,9 +127,7 @@ class GraNet(GradualPruning):
 
     def _regrown_count(self, step: int, layer: SparseLinear, survivors: int) -> int:
         """``floor(f_t · survivors)``, at most the positions inactive before the update."""
-        inactive = layer.out_features * layer.in_features - layer.nnz
-        # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
-        return min(math.floor(round(self.regrowth_fraction(step) * survivors, 9)), inactive)
+        return replaced_count(self.regrowth_fraction(step), survivors, layer)
 
     def _count(self, step: int, layer: SparseLinear) -> int:
         # at most what the update regrows: whether it needs the layer's records
