@@ -13,7 +13,9 @@ import snack
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("snack.train", "train a sparse MLP or CNN with dynamic sparse training (RigL, SET, GraNet) on MNIST digits"),
+    "train": (
+        "snack.train", "train a sparse MLP or CNN with dynamic sparse training (RigL, SET, GraNet, MEST) on MNIST digits"
+    ),
     "compile-check": (
         "snack.backends.triton.compile_check",
         "compile every Triton kernel ahead of time for the given GPU architectures (no GPU needed)",

@@ -5,7 +5,8 @@
 ``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
 pooling) and ``→ width → 10``, built dense and sparsified that way. Either is trained with AdamW
 (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it,
-or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while regrowing as RigL does.
+or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while regrowing as RigL does, or
+MEST grows at random up to ``--extra-fraction`` above each layer's connections between updates.
 ``--compare`` trains the same architecture dense (``nn.Linear``, ``nn.Conv2d``) and as
 Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
 initial weights as the sparse model) with identical data order, and prints a side-by-side table.
@@ -41,10 +42,13 @@ __all__ = [
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75
 
-ALGORITHMS = ("rigl", "set", "granet", "static")
+ALGORITHMS = ("rigl", "set", "granet", "mest", "static")
 
 # GraNet's starting sparsity when --initial-sparsity is not given (the paper's sparse-to-sparse runs)
 GRANET_INITIAL_SPARSITY = 0.5
+
+# MEST's soft memory bound when --extra-fraction is not given (the reference code's at 90%)
+MEST_EXTRA_FRACTION = 0.5
 
 # hidden width of the fully connected layers when --width is not given
 DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256}
@@ -67,7 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="training batch size (default: 64)")
     parser.add_argument("--lr", type=_learning_rate, default=2e-3,
                         help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
-    parser.add_argument("--drop-fraction", type=_fraction, default=0.3, help="DST drop fraction (default: 0.3)")
+    parser.add_argument("--drop-fraction", type=_fraction, default=None,
+                        help="fraction of each layer's connections replaced per update (default: 0.3; mest: 0, "
+                             "its mutation below the target)")
+    parser.add_argument("--extra-fraction", type=_nonnegative, default=None,
+                        help=f"mest only: connections grown above each layer's target at an update, as a fraction "
+                             f"of it (default: {MEST_EXTRA_FRACTION})")
     parser.add_argument("--update-every", type=positive_int, default=50, help="steps between DST updates (default: 50)")
     parser.add_argument("--seed", type=whole_number(0, 2**63), default=0,
                         help="seed of init, data order and DST (default: 0)")
@@ -89,6 +98,13 @@ def _learning_rate(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _nonnegative(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -241,15 +257,22 @@ class _Run:
             self.dst = snack.dst.GraNet(
                 model, self.optimizer, final_sparsity=args.sparsity, start_step=0,
                 end_step=max(1, math.floor(DST_STOP_FRACTION * total_steps)), total_steps=total_steps,
-                update_every=args.update_every, drop_fraction=args.drop_fraction, seed=args.seed,
+                update_every=args.update_every, drop_fraction=_drop_fraction(args, algorithm), seed=args.seed,
+            )
+        elif algorithm == "mest":  # random growth above the targets until DST_STOP_FRACTION, then back to them
+            extra = MEST_EXTRA_FRACTION if args.extra_fraction is None else args.extra_fraction
+            self.dst = snack.dst.MEST(
+                model, self.optimizer, total_steps=total_steps, drop_fraction=_drop_fraction(args, algorithm),
+                extra_fraction=extra, update_every=args.update_every, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
             )
         elif algorithm in ("rigl", "set"):
             cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
             with warnings.catch_warnings():  # "will never change the topology": run() has said so
                 warnings.filterwarnings("ignore", "(RigL|SET) will never change", UserWarning)
                 self.dst = cls(
-                    model, self.optimizer, drop_fraction=args.drop_fraction, update_every=args.update_every,
-                    total_steps=total_steps, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
+                    model, self.optimizer, drop_fraction=_drop_fraction(args, algorithm),
+                    update_every=args.update_every, total_steps=total_steps, stop_fraction=DST_STOP_FRACTION,
+                    seed=args.seed,
                 )
         self.step_seconds: list[float] = []
         self.updates = 0
@@ -281,7 +304,7 @@ def train_models(
     n = len(data.y_train)
     total_steps = math.ceil(n / args.batch_size) * args.epochs
     if any(algorithm in ("rigl", "set") for _, _, algorithm in models):
-        _note_if_no_update(args.update_every, args.drop_fraction, total_steps)
+        _note_if_no_update(args.update_every, _drop_fraction(args, "rigl"), total_steps)
     for _, model, _ in models:
         # untimed warm-up: loads kernel libraries and touches first-use memory; leaves no state
         model(data.x_train[: args.batch_size]).sum().backward()
@@ -315,6 +338,14 @@ def train_models(
     return results
 
 
+def _drop_fraction(args: argparse.Namespace, algorithm: str) -> float:
+    """``--drop-fraction``, or its default for ``algorithm``: 0.3, MEST's 0 (it explores above the
+    targets instead, ``--extra-fraction``)."""
+    if args.drop_fraction is not None:
+        return args.drop_fraction
+    return 0.0 if algorithm == "mest" else 0.3
+
+
 def _note_if_no_update(update_every: int, drop_fraction: float, total_steps: int) -> None:
     """Say so when the schedule the DST objects get (cosine, the default) changes nothing."""
     why = snack.dst.DropSchedule(drop_fraction, update_every, total_steps, DST_STOP_FRACTION, "cosine").why_static()
@@ -338,6 +369,10 @@ def _peak_memory(device: torch.device) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if unavailable_device("train", args.device):
+        return 2
+    if args.extra_fraction is not None and args.algorithm != "mest":
+        print(f"snack train: --extra-fraction is mest's (connections grown above each layer's target between "
+              f"updates); --algorithm {args.algorithm} has no such bound", file=sys.stderr)  # fmt: skip
         return 2
     starting = _starting_sparsity(args)
     if starting is None:
@@ -378,8 +413,8 @@ def run(args: argparse.Namespace) -> int:
         f"({main.steps} steps, {main.topology_updates} topology updates), "
         f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB"
     )
-    if args.algorithm == "granet":
-        print(f"granet's densities after pruning: {_densities(layers)}")
+    if args.algorithm in ("granet", "mest"):  # granet's pruned, mest's back to its targets
+        print(f"{args.algorithm}'s densities at the end: {_densities(layers)}")
     # one process trains every model: its peak is theirs together, with the data and torch itself
     models_run = "all three models" if args.compare else "this model"
     print(f"process peak memory ({models_run}, the data and torch itself): {_peak_memory(args.device)}")

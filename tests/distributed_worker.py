@@ -58,7 +58,13 @@ def granet(net: nn.Module, optimizer):
                             update_every=2, grow_init="random")
 
 
-ALGORITHMS = {"rigl": rigl, "pruning": pruning, "granet": granet}
+def mest(net: nn.Module, optimizer):
+    # nnz rises above the targets and falls back; the drop reads DDP's averaged gradient
+    return snack.dst.MEST(net, optimizer, total_steps=8, update_every=2, drop_fraction=0.2, gradient_weight=0.5,
+                          grow_init="random")
+
+
+ALGORITHMS = {"rigl": rigl, "pruning": pruning, "granet": granet, "mest": mest}
 
 
 def layers_state(net: nn.Module) -> list[dict]:
@@ -82,7 +88,7 @@ def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if dst.step() and algorithm in ("pruning", "granet"):
+        if dst.step() and algorithm in ("pruning", "granet", "mest"):
             ddp = DistributedDataParallel(net)  # DDP's gradient buckets have the old sizes
     return layers_state(net), dst.generator.get_state()
 

@@ -75,6 +75,9 @@ def test_updates_stop_after_stop_fraction_and_return_flags():
     assert [t + 1 for t, f in enumerate(flags) if f] == [5, 10, 15]  # step 20: cosine fraction is 0
 
 
+ALGORITHMS = [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet, snack.dst.MEST]
+
+
 def _options(algorithm, *, total_steps=1000, final_sparsity=0.95, start_step=0, end_step=10):
     """The arguments ``algorithm`` requires: the pruning schedule for GradualPruning and GraNet,
     ``total_steps`` for the others and GraNet."""
@@ -389,7 +392,7 @@ def test_load_state_dict_rejects_another_configuration():
         snack.dst.RigL(model, opt, update_every=10, total_steps=100).load_state_dict(state)
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_load_state_dict_rejects_malformed_states_naming_what_is_wrong(algorithm):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -400,10 +403,11 @@ def test_load_state_dict_rejects_malformed_states_naming_what_is_wrong(algorithm
         dst.load_state_dict(None)
     with pytest.raises(ValueError, match="no 'step' entry"):
         dst.load_state_dict({key: value for key, value in state.items() if key != "step"})
-    if "initial_nnz" in state:  # GradualPruning, GraNet: counts that later divided by zero or crashed a step
+    # GradualPruning's, GraNet's and MEST's counts, which would later divide by zero or crash a step
+    for key in {"initial_nnz", "target_nnz"} & state.keys():
         for bad in (["a"] * 3, [-5, 1, 1], [2.5, 1, 1], [10**9, 1, 1], [True, 1, 1]):
-            with pytest.raises(ValueError, match="initial_nnz"):
-                dst.load_state_dict({**state, "initial_nnz": bad})
+            with pytest.raises(ValueError, match=key):
+                dst.load_state_dict({**state, key: bad})
     after = dst.state_dict()
     assert after.keys() == before.keys() and torch.equal(after["generator"], before["generator"])
     assert {k: v for k, v in after.items() if k != "generator"} == {k: v for k, v in before.items() if k != "generator"}
@@ -550,7 +554,7 @@ def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
         (dict(layers=0), TypeError, "layers must be None .* got int 0"),
     ],
 )
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
 def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, error, match):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -562,7 +566,7 @@ def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, 
     _same(before, _snapshot(model, opt))
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
 @pytest.mark.parametrize(
     "make_iterable",
     [lambda names: (n for n in names), lambda names: filter(None, names), lambda names: iter(names)],
@@ -576,7 +580,7 @@ def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
     assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
 @pytest.mark.parametrize("layers", [None, ["0"]], ids=["all", "one of the two"])
 def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
     # a rewire of one would leave the other reading the new values at its old connections
@@ -962,7 +966,7 @@ def test_gradual_pruning_does_not_prune_a_frozen_layer():
     assert layers[0].nnz < nnz[0] and layers[2].nnz < nnz[2]
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_step_under_inference_mode_leaves_trainable_layers_and_optimizer_state(algorithm):
     model = _model(sparsity=0.5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

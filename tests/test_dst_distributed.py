@@ -50,8 +50,9 @@ def _single_process(algorithm: str) -> tuple[list[dict], torch.Tensor]:
 
 @pytest.mark.parametrize("algorithm", sorted(worker.ALGORITHMS))
 def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(ranks, algorithm):
-    """RigL and GraNet grow from the gathered records; GradualPruning and GraNet, whose nnz
-    shrinks, run with the DDP wrapper rebuilt after each update."""
+    """RigL and GraNet grow from the gathered records, MEST drops by DDP's averaged gradient;
+    GradualPruning, GraNet and MEST, whose nnz changes, run with the DDP wrapper rebuilt after
+    each update."""
     (rank0, generator0), (rank1, generator1) = (r[f"{algorithm}_under_ddp"] for r in ranks)
     _assert_same_topologies(rank0, rank1)
     for layer0, layer1 in zip(rank0, rank1):

@@ -28,7 +28,8 @@ def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
 @pytest.mark.parametrize(
     "flag, value",
     [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2"), ("--lr", "-1"), ("--lr", "inf"),
-     ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64)), ("--width", "x"), ("--limit", "0")],
+     ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64)), ("--width", "x"), ("--limit", "0"),
+     ("--extra-fraction", "-1"), ("--extra-fraction", "inf")],
 )  # fmt: skip
 def test_snack_train_rejects_bad_options(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, as snack bench gives
@@ -168,10 +169,24 @@ def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys
     assert float(re.search(r"granet 60%→90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
     assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
     start = re.search(r"erk densities: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)\n", out).groups()
-    end = re.search(r"granet's densities after pruning: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)", out)
+    end = re.search(r"granet's densities at the end: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)", out)
     sizes = (32 * 784, 32 * 32, 10 * 32)
     overall = [sum(float(d) * n for d, n in zip(densities, sizes)) / sum(sizes) for densities in (start, end.groups())]
     assert overall[0] == pytest.approx(0.4, abs=1e-3) and overall[1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_snack_train_mest_grows_above_its_targets_and_ends_at_them(capsys):
+    code = cli.main(
+        ["train", "--algorithm", "mest", "--extra-fraction", "0.4", "--drop-fraction", "0.1", "--width", "32",
+         "--epochs", "2", "--limit", "600", "--batch-size", "32", "--update-every", "5", "--lr", "1e-2",
+         "--no-progress"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert float(re.search(r"mest 90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
+    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    start = re.search(r"erk densities: (32×784 \d\.\d+ · 32×32 \d\.\d+ · 10×32 \d\.\d+)\n", out).group(1)
+    assert f"mest's densities at the end: {start}\n" in out
 
 
 @pytest.mark.parametrize(
@@ -179,8 +194,9 @@ def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys
     [
         (["--algorithm", "rigl", "--initial-sparsity", "0.5"], "--initial-sparsity is granet's"),
         (["--algorithm", "granet", "--sparsity", "0.3"], "--initial-sparsity 0.5 is above --sparsity 0.3"),
+        (["--algorithm", "set", "--extra-fraction", "0.5"], "--extra-fraction is mest's"),
     ],
 )
-def test_snack_train_refuses_initial_sparsity_options_that_do_not_fit(argv, message, capsys):
+def test_snack_train_refuses_options_that_do_not_fit(argv, message, capsys):
     assert cli.main(["train", *argv, "--limit", "64", "--no-progress"]) == 2
     assert message in capsys.readouterr().err

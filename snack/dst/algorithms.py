@@ -15,7 +15,8 @@ GradualPruning  lowest ``|w|``, nnz shrinks    nothing
 =============== ============================== ========================================
 
 :class:`~snack.dst.granet.GraNet` (its own module) prunes as GradualPruning does (or globally)
-and regrows as RigL does.
+and regrows as RigL does; :class:`~snack.dst.mest.MEST` (its own module) drops by ``|w|`` (plus
+``λ|∂L/∂w|``) and grows as SET does, above each layer's target between updates.
 
 Growth is among positions inactive *before* the drop, so a connection dropped in an update is
 never regrown in the same update (RigL's and SET's reference code may regrow one; the README's
@@ -65,6 +66,23 @@ def replaced_count(fraction: float, connections: int, layer: SparseLinear) -> in
     inactive = layer.out_features * layer.in_features - layer.nnz
     # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
     return min(math.floor(round(fraction * connections, 9)), inactive)
+
+
+def saved_counts(state: dict, key: str, layers: list[tuple[str, SparseLinear]]) -> list[int]:
+    """``state[key]``, a saved connection count per layer, after checking it lists one int from 0 to
+    the layer's size for each of ``layers``; ``ValueError`` naming ``key`` otherwise."""
+    counts = state.get(key)
+    sizes = [layer.out_features * layer.in_features for _, layer in layers]
+    if (
+        not isinstance(counts, list) or len(counts) != len(layers)
+        or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and 0 <= n <= size
+                   for n, size in zip(counts, sizes))
+    ):
+        raise ValueError(
+            f"cannot load DST state: {key} must list {len(layers)} counts, each an int from 0 to the "
+            f"layer's size {sizes}, got {counts!r}"
+        )
+    return [int(n) for n in counts]
 
 
 def grown_values(grow_init: str, layer: SparseLinear, k: int, generator: torch.Generator) -> Tensor | None:
@@ -358,17 +376,7 @@ class GradualPruning(DynamicSparsity):
         """Restore :meth:`state_dict` output, including the layers' counts and overall sparsity at the
         start of the saved run (which a model loaded before construction no longer has)."""
         check_state_is_dict(state)  # (read before the base class checks the rest)
-        initial_nnz = state.get("initial_nnz")
-        sizes = [layer.out_features * layer.in_features for _, layer in self.layers]
-        if (
-            not isinstance(initial_nnz, list) or len(initial_nnz) != len(self.layers)
-            or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and 0 <= n <= size
-                       for n, size in zip(initial_nnz, sizes))
-        ):
-            raise ValueError(
-                f"cannot load DST state: initial_nnz must list {len(self.layers)} counts, each an int from 0 to the "
-                f"layer's size {sizes}, got {initial_nnz!r}"
-            )
+        initial_nnz = saved_counts(state, "initial_nnz", self.layers)
         config = state.get("config")
         if "initial_sparsity" not in state and isinstance(config, dict) and "initial_sparsity" in config:
             # saved before the initial sparsity was state: its config held the value in use
@@ -385,7 +393,7 @@ class GradualPruning(DynamicSparsity):
                 f"{self.final_sparsity}], got {effective!r}"
             )
         super().load_state_dict(state)
-        self.initial_nnz = [int(n) for n in initial_nnz]
+        self.initial_nnz = initial_nnz
         self.initial_sparsity = float(effective)
 
     def _config(self) -> dict:

@@ -319,16 +319,18 @@ class DynamicSparsity:
             "and set torch._dynamo.config.skip_nnmodule_hook_guards = False so that Dynamo notices them"
         )
 
-    def _records_are_finite(self, step: int, name: str, recorded: tuple[Tensor, ...], consequence: str) -> bool:
-        """Whether every recorded tensor is finite; if not, warn (``RuntimeWarning``) naming the
-        layer, the step and the ``consequence``."""
+    def _records_are_finite(
+        self, step: int, name: str, recorded: tuple[Tensor, ...], consequence: str, *, what: str = "the batch recorded"
+    ) -> bool:
+        """Whether every recorded tensor is finite; if not, warn (``RuntimeWarning``) naming
+        ``what`` was recorded, the layer, the step and the ``consequence``."""
         if all(bool(torch.isfinite(t).all()) for t in recorded):
             return True
         # e.g. a mixed-precision step whose gradients overflowed (GradScaler skips its optimizer
         # step): scores from inf/NaN would pick arbitrary positions. Decided where the records
         # are (rank 0 on several ranks, whose choice every rank applies).
         warnings.warn(
-            f"{type(self).__name__} update at step {step}: the batch recorded for layer {name!r} has non-finite "
+            f"{type(self).__name__} update at step {step}: {what} for layer {name!r} has non-finite "
             f"values (inf or NaN, e.g. an overflowed mixed-precision step); {consequence}",
             RuntimeWarning,
         )
