@@ -755,7 +755,6 @@ def test_numpy_sizes_and_sparsity_are_accepted():
     [
         (dict(dtype=torch.complex64), TypeError, "dtype must be a floating dtype, got torch.complex64"),
         (dict(dtype=torch.int32), TypeError, "dtype must be a floating dtype"),
-        (dict(device="meta"), NotImplementedError, "cannot be built on the meta device"),
     ],
 )
 def test_unsupported_dtypes_and_devices_fail_at_construction(kwargs, error, match):
@@ -768,20 +767,97 @@ def test_a_layer_too_large_for_int32_indices_fails_before_drawing_its_topology()
         SparseLinear(50_000, 50_000, sparsity=0.1)
 
 
-def test_meta_device_layers_are_refused_by_every_constructor_and_sparsify():
+def test_meta_tensors_are_refused_where_their_values_would_be_kept():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    meta = "cannot be built on the meta device"
-    with pytest.raises(NotImplementedError, match=meta):
+    with pytest.raises(NotImplementedError, match=r"sparsify: layers '0', '2' are on the meta device.*init='random'"):
         snack.sparsify(model, 0.5)
     assert all(type(model[i]) is nn.Linear for i in (0, 2))  # nothing was replaced
-    with pytest.raises(NotImplementedError, match=meta):
-        snack.sparsify(model, 0.5, init="random")
+    meta = "from_dense/from_coo cannot take meta tensors"
     with pytest.raises(NotImplementedError, match=meta):
         SparseLinear.from_dense(model[0], sparsity=0.5)
+    with pytest.raises(NotImplementedError, match=meta):
+        snack.SparseConv2d.from_dense(torch.empty(4, 2, 3, 3, device="meta"), sparsity=0.5)
     row = torch.tensor([0, 1], dtype=torch.int32, device="meta")
     with pytest.raises(NotImplementedError, match=meta):
         SparseLinear.from_coo(row, row, torch.ones(2, device="meta"), (2, 2))
+
+
+_UNDRAWN = "was built on the meta device and has no topology yet"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: SparseLinear(16, 8, sparsity=0.5), lambda: snack.SparseConv2d(3, 4, 3, padding=1, sparsity=0.6)],
+    ids=["linear", "conv2d"],
+)
+def test_a_layer_built_on_meta_draws_at_reset_the_topology_it_would_have_drawn_when_built(make):
+    """meta → to_empty → reset_parameters draws what the constructor draws on a real device, from
+    the same random numbers; until then the layer refuses to compute."""
+    with torch.device("meta"):
+        layer = make()
+    torch.manual_seed(0)
+    built = make()
+    assert layer.row.device.type == "meta" and layer.nnz == built.nnz and layer.values.shape == built.values.shape
+    x = torch.randn(2, 16) if type(built) is SparseLinear else torch.randn(2, 3, 5, 5)
+    with pytest.raises(RuntimeError, match=_UNDRAWN + r" \(on the meta device\)"):
+        layer(x.to("meta"))
+    layer.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match=_UNDRAWN + r" \(materialised by to_empty\(\)\).*reset_parameters\(\)"):
+        layer(x)
+    torch.manual_seed(0)
+    layer.reset_parameters()
+    assert all(torch.equal(value, built.state_dict()[key]) for key, value in layer.state_dict().items())
+    torch.testing.assert_close(layer(x), built(x))
+    row = layer.row.clone()
+    layer.reset_parameters()  # drawn: a reset now keeps the topology, as for any layer
+    assert torch.equal(layer.row, row)
+
+
+def test_sparsify_of_a_meta_model_then_to_empty_and_reset_trains_a_sparse_model():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(6, 4, 2, stride=2),
+                              nn.Flatten(), nn.Linear(4 * 8 * 8, 10))  # fmt: skip
+    snack.sparsify(model, 0.8, distribution="erk", init="random")
+    layers = [m for m in model.modules() if isinstance(m, SparseLinear)]
+    assert len(layers) == 3 and all(m.row.device.type == "meta" for m in layers)
+    with torch.device("meta"):
+        reference = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(6, 4, 2, stride=2),
+                                  nn.Flatten(), nn.Linear(4 * 8 * 8, 10)).to_empty(device="cpu")  # fmt: skip
+    real = [m for m in snack.sparsify(reference, 0.8, distribution="erk", init="random").modules()
+            if isinstance(m, SparseLinear)]  # fmt: skip
+    assert [m.nnz for m in layers] == [m.nnz for m in real]  # the same ERK counts
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 2, 4, 4)
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    assert model(x).square().mean() < loss
+    for layer in layers:
+        dense = layer.to_dense()
+        assert int((dense != 0).sum()) <= layer.nnz and layer.values.abs().max() > 0
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+@pytest.mark.parametrize("sparsity", [0.5, 0.7], ids=["same-nnz", "other-nnz"])
+def test_a_meta_layer_loads_a_saved_state(assign, sparsity):
+    """The usual ways to fill a meta model from a checkpoint: to_empty then load_state_dict, or
+    load_state_dict(assign=True) straight into the meta layer."""
+    source = make_layer(8, 16, sparsity)
+    with torch.device("meta"):
+        layer = SparseLinear(16, 8, sparsity=0.5, dtype=torch.float64)
+    if not assign:
+        layer.to_empty(device="cpu")
+    layer.load_state_dict(source.state_dict(), assign=assign)
+    assert layer.row.device.type == layer.values.device.type == "cpu" and layer.nnz == source.nnz
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), source(x), rtol=0, atol=0)
+    row = layer.row.clone()
+    layer.reset_parameters()  # loaded: a reset keeps that topology
+    assert torch.equal(layer.row, row)
 
 
 # ---------------------------------------------------------------------- threads

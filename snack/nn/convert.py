@@ -211,7 +211,8 @@ def sparsify(
         include, exclude: glob patterns on qualified module names (``"encoder.*"``); a layer is
             converted when it matches some ``include`` (default: all) and no ``exclude``.
         init: ``"magnitude"`` keeps each layer's largest-magnitude weights; ``"random"`` draws a
-            fresh random topology and variance-preserving init.
+            fresh random topology and variance-preserving init (on the meta device: once
+            materialised, by ``to_empty()`` and ``reset_parameters()``).
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
@@ -242,6 +243,13 @@ def sparsify(
     targets, left_dense = _choose_layers(modules, include, exclude)
     _warn_about_layers_left_dense(left_dense)
     _warn_about_what_sparsify_missed(modules, include, exclude, targets)
+    on_meta = [name for name, (_, _, weight, _) in targets.items() if weight.device.type == "meta"]
+    if on_meta and init == "magnitude":
+        raise NotImplementedError(
+            f"sparsify: layers {', '.join(map(repr, on_meta))} are on the meta device, whose weights hold no values to keep the largest "
+            "of: pass init='random' (to_empty() and reset_parameters() then draw each layer's topology), or sparsify "
+            "after materialising the model"
+        )
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
     converted = {}

@@ -20,6 +20,7 @@ from snack.topology import (
     check_sparsity,
     coo_from_dense,
     linear_positions,
+    nnz_for_sparsity,
     random_coo,
     sort_coo,
     validate_coo,
@@ -57,6 +58,11 @@ class SparseLinear(nn.Module):
             random with ``round((1 - sparsity) · out · in)`` connections (at least one).
         device, dtype: of the parameters (indices are always int32 on ``device``).
 
+    On the meta device (``device="meta"``, or inside ``with torch.device("meta")``) the layer
+    holds its ``nnz`` connections' shapes but no topology yet: ``to_empty(device=...)`` then
+    :meth:`reset_parameters` draws it (or ``load_state_dict`` loads one), as large models are
+    built without allocating twice. Until then it refuses to compute.
+
     Use :meth:`from_dense` to keep the non-zeros (or largest weights) of an existing layer, and
     :meth:`from_coo` for explicit coordinates.
     """
@@ -83,11 +89,17 @@ class SparseLinear(nn.Module):
         sparsity = check_sparsity(sparsity)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
-        _reject_meta(torch.empty(0, device=device).device)
-        row, col = random_coo(out_features, in_features, sparsity, device=device)
+        device = torch.empty(0, device=device).device  # (a `with torch.device(...)` context's too)
+        if device.type == "meta":  # no data to draw into: reset_parameters() draws it after to_empty()
+            nnz = nnz_for_sparsity(out_features, in_features, sparsity)
+            row, col = (torch.empty(nnz, dtype=torch.int32, device=device) for _ in range(2))
+        else:
+            row, col = random_coo(out_features, in_features, sparsity, device=device)
         values = torch.empty(row.numel(), device=device, dtype=dtype)
         bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
         self._init_state(in_features, out_features, row, col, values, bias_tensor)
+        if device.type == "meta":
+            self._undrawn_sparsity = sparsity
         self.reset_parameters()
 
     def _init_state(self, in_features, out_features, row, col, values, bias) -> None:
@@ -102,6 +114,9 @@ class SparseLinear(nn.Module):
         # between here and that use. Rewires and loads build it, for compiled code, at once.
         self._topology: Topology | None = None
         self._topology_key: tuple | None = None  # what _topology was built from (see topology)
+        # the sparsity of a layer built on the meta device, whose topology reset_parameters() draws
+        # once it is materialised (to_empty); None once it has one
+        self._undrawn_sparsity: float | None = None
 
     # ------------------------------------------------------------------ constructors
 
@@ -174,7 +189,14 @@ class SparseLinear(nn.Module):
         return cls._from_parts(in_features, out_features, row, col, values, bias)
 
     def reset_parameters(self) -> None:
-        """Re-draw ``values`` and ``bias`` with the variance-preserving rule (class docstring)."""
+        """Re-draw ``values`` and ``bias`` with the variance-preserving rule (class docstring).
+
+        A layer built on the meta device and materialised since (``to_empty``) first draws its
+        topology: ``nnz`` uniformly random connections, as the constructor draws them elsewhere.
+        (Otherwise the topology is kept.)"""
+        if self._undrawn_sparsity is not None and self.row.device.type != "meta":
+            row, col = random_coo(self.out_features, self.in_features, self._undrawn_sparsity, device=self.row.device)
+            self._copy_topology_in(row, col)
         fan_in = max(1.0, self.nnz / self.out_features)
         with torch.no_grad():
             self.values.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
@@ -209,6 +231,8 @@ class SparseLinear(nn.Module):
         # so a new key is never paired with an old topology
         key, cached = self._topology_key, self._topology
         row, col = self.row, self.col
+        if cached is None and self._undrawn_sparsity is not None:
+            self._refuse_undrawn_topology()
         if tracing.program_tracing():
             # The program calls snack::topology_index_data, which derives the index data from the
             # row/col it is run with, cached on their identity and version: right for whatever
@@ -247,6 +271,15 @@ class SparseLinear(nn.Module):
                 self._topology = cached
                 self._topology_key = _buffers_key(row, col)
             return cached
+
+    def _refuse_undrawn_topology(self) -> None:
+        where = "on the meta device" if self.row.device.type == "meta" else "materialised by to_empty()"
+        raise RuntimeError(
+            f"{type(self).__name__}({self.in_features}, {self.out_features}) was built on the meta device and has no "
+            f"topology yet ({where}): after model.to_empty(device=...), call reset_parameters() to draw one (e.g. "
+            "model.apply(lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') else None)) or "
+            "load_state_dict() a saved one"
+        )
 
     def index_tensors(self) -> list[Tensor]:
         """Every index tensor the layer holds now, for memory accounting: ``row``, ``col``, what
@@ -319,6 +352,7 @@ class SparseLinear(nn.Module):
             self.row, self.col = new.row, new.col
             _replace_data(self.values, new.values, new.swap)
             self._topology, self._topology_key = new.topology, _buffers_key(new.row, new.col)
+            self._undrawn_sparsity = None
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda() replace buffers: derived index data must follow (eager code would notice
@@ -608,21 +642,33 @@ class SparseLinear(nn.Module):
             # coordinates (the README's Limits)
             row = row.to(device=self.row.device, dtype=torch.int32)
             col = col.to(device=self.col.device, dtype=torch.int32)
-            with locking.STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
-                self.row.copy_(row)
-                self.col.copy_(col)
-                self._topology = self._derived_topology(self.row, self.col)
-                self._topology_key = _buffers_key(self.row, self.col)
+            self._copy_topology_in(row, col)
         else:
             # another nnz: new tensors, the values filled before a forward in another thread can
             # see them, swapped under the lock (held only for that: nn.Module's copies and load
             # hooks run without it)
             values = values.detach().to(self.values, copy=True)
-            row = row.to(device=self.row.device, dtype=torch.int32, copy=True)
-            col = col.to(device=self.col.device, dtype=torch.int32, copy=True)
+            # assign=True: nn.Module then puts in the state_dict's own tensors, on their device (a
+            # layer on the meta device, which cannot derive index data, takes real ones so)
+            assigned = local_metadata.get("assign_to_params_buffers", False)
+            device = row.device if assigned else self.row.device
+            row = row.to(device=device, dtype=torch.int32, copy=True)
+            col = col.to(device=device, dtype=torch.int32, copy=True)
             self._commit_topology(
                 _NewTopology(row, col, values, _data_swap(self.values, values), self._derived_topology(row, col))
             )
+
+    @torch.no_grad()
+    def _copy_topology_in(self, row: Tensor, col: Tensor) -> None:
+        """Copy valid ``row``/``col`` (int32, on the layer's device, ``nnz`` each) into the
+        layer's buffers, whose identity whatever holds them keeps (a traced program, DDP), and
+        build their index data at once (compiled code finds it cached)."""
+        with locking.STATE_LOCK:  # a topology rebuild (which validates) sees all of row/col or none
+            self.row.copy_(row)
+            self.col.copy_(col)
+            self._topology = self._derived_topology(self.row, self.col)
+            self._topology_key = _buffers_key(self.row, self.col)
+            self._undrawn_sparsity = None
 
     def _buffers_writable_in_place(self, local_metadata: dict) -> bool:
         """Whether a load may copy into ``row``/``col``: not when ``nn.Module`` assigns the
@@ -644,6 +690,7 @@ class SparseLinear(nn.Module):
 
     def __setstate__(self, state):
         state.setdefault("_topology_key", None)  # pickled before the key existed
+        state.setdefault("_undrawn_sparsity", None)
         super().__setstate__(state)
 
 
@@ -660,13 +707,14 @@ def _is_batched(tensor: Tensor) -> bool:
 
 
 def _reject_meta(device: torch.device) -> None:
-    """Raise for the meta device: a topology is data (drawn, or picked by magnitude), which a
-    meta tensor has none of, and ``to_empty`` would leave garbage coordinates."""
+    """Raise for the meta device in ``from_dense`` and ``from_coo``: they keep the largest weights
+    or the given coordinates, data that a meta tensor does not hold."""
     if device.type == "meta":
         raise NotImplementedError(
-            "SparseLinear cannot be built on the meta device: its topology is drawn (or picked from the dense "
-            "weights) when it is built. Build it on a real device, or sparsify the model after materialising it "
-            "(to_empty + reset_parameters, or loading its weights)."
+            "from_dense/from_coo cannot take meta tensors: they keep the largest weights or the given "
+            "coordinates, which a meta tensor does not hold. On the meta device build the layer with its "
+            "constructor, or sparsify(model, init='random'): to_empty() and reset_parameters() then draw its "
+            "topology; or sparsify the model after materialising it."
         )
 
 
