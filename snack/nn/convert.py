@@ -246,9 +246,9 @@ def sparsify(
     on_meta = [name for name, (_, _, weight, _) in targets.items() if weight.device.type == "meta"]
     if on_meta and init == "magnitude":
         raise NotImplementedError(
-            f"sparsify: layers {', '.join(map(repr, on_meta))} are on the meta device, whose weights hold no values to keep the largest "
-            "of: pass init='random' (to_empty() and reset_parameters() then draw each layer's topology), or sparsify "
-            "after materialising the model"
+            f"sparsify: layers {', '.join(map(repr, on_meta))} are on the meta device, whose weights hold no values "
+            "to keep the largest of: pass init='random' (to_empty() and reset_parameters() then draw each layer's "
+            "topology), or sparsify after materialising the model"
         )
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
