@@ -1,4 +1,5 @@
-"""Two gloo ranks on this CPU running dynamic sparse training under DDP, for test_dst_distributed.
+"""Two gloo ranks on this CPU running dynamic sparse training under DDP (and sparse layers under
+FSDP), for test_dst_distributed.
 
 ``python distributed_worker.py OUT_DIR`` spawns the ranks; each runs every scenario below and
 saves what it saw to ``OUT_DIR/rank<r>.pt``, which the tests compare with each other and with a
@@ -8,12 +9,16 @@ single-process run.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import snack
@@ -91,6 +96,47 @@ def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor
         if dst.step() and algorithm in ("pruning", "granet", "mest"):
             ddp = DistributedDataParallel(net)  # DDP's gradient buckets have the old sizes
     return layers_state(net), dst.generator.get_state()
+
+
+def train_under_fsdp(rank: int) -> dict:
+    """Every sparse layer, and the model, sharded with FSDP (``fully_shard``): a fixed topology
+    trained on this rank's slice of the global batches, its full state gathered at the end; and
+    what a DST object says of the sharded values."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    net = model()
+    for module in net.modules():
+        if isinstance(module, snack.SparseLinear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    refusal = failure(lambda: snack.dst.SET(net, optimizer, total_steps=1000))
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = nn.functional.cross_entropy(net(x[mine]), y[mine])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    state = {key: value.full_tensor() if isinstance(value, DTensor) else value
+             for key, value in net.state_dict().items()}  # fmt: skip
+    return {"state": state, "dst": refusal}
+
+
+def built_on_meta_under_fsdp(rank: int) -> list[dict]:
+    """A model built and sharded on the meta device, then materialised (``to_empty``) and reset:
+    each rank draws the coordinates itself (not sharded), from the same seed."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with torch.device("meta"):
+        net = snack.sparsify(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5)), 0.7, init="random")
+    for module in [*net[::2], net]:
+        fully_shard(module, mesh=mesh)
+    net.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # torch: "DTensor random operators may not have complete support on cpu"
+        warnings.simplefilter("ignore", UserWarning)
+        net.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    net(torch.randn(4, 12)).sum().backward()  # computes: a topology was drawn
+    return [{"row": m.row.clone(), "col": m.col.clone(), "nnz": m.nnz} for m in net[::2]]
 
 
 def different_seeds(rank: int) -> str:
@@ -189,6 +235,8 @@ def run_rank(rank: int, out: Path) -> None:
     try:
         results = {
             **{f"{name}_under_ddp": train_under_ddp(rank, name) for name in ALGORITHMS},
+            "under_fsdp": train_under_fsdp(rank),
+            "built_on_meta_under_fsdp": built_on_meta_under_fsdp(rank),
             "different_seeds": different_seeds(rank),
             "rank_zero_decides": rank_zero_decides(rank),
             "a_bad_argument_on_one_rank": a_bad_argument_on_one_rank(rank),

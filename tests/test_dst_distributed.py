@@ -1,5 +1,6 @@
 """Dynamic sparse training on two ranks (gloo, CPU): the ranks keep one topology, and RigL under
-DDP grows exactly as one process training on the whole batch does."""
+DDP grows exactly as one process training on the whole batch does; sparse layers under FSDP train
+as one process does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import distributed_worker as worker
+import snack.topology
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
@@ -68,6 +70,36 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
     initial = worker.layers_state(worker.model())
     changed = [not torch.equal(now["col"], then["col"]) for now, then in zip(single, initial)]
     assert all(done for done, then in zip(changed, initial) if then["col"].numel() > 4) and any(changed)
+
+
+def test_under_fsdp_sparse_layers_train_as_one_process_does_and_dst_is_refused(ranks):
+    """FSDP (fully_shard) shards values and bias; the gathered result is one process's training
+    on the whole batch. A DST object refuses the shards, on every rank, naming DDP instead."""
+    net = worker.model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(worker.STEPS):
+        x, y = worker.global_batch(step)
+        loss = nn.functional.cross_entropy(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    expected = net.state_dict()
+    for rank in ranks:
+        state = rank["under_fsdp"]["state"]
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12)
+        assert rank["under_fsdp"]["dst"].startswith(
+            "NotImplementedError: layer '1' holds sharded values (a DTensor, as FSDP's fully_shard makes)"
+        )
+
+
+def test_a_model_built_on_meta_and_sharded_draws_one_topology_on_every_rank(ranks):
+    rank0, rank1 = (r["built_on_meta_under_fsdp"] for r in ranks)
+    _assert_same_topologies(rank0, rank1)
+    assert [layer["nnz"] for layer in rank0] == [58, 24]  # 30% of 16·12 and 5·16 (uniform)
+    for layer, (out, in_) in zip(rank0, [(16, 12), (5, 16)]):
+        snack.topology.validate_coo(layer["row"], layer["col"], (out, in_))  # sorted, unique, in range
 
 
 def test_ranks_with_different_seeds_are_refused_at_construction(ranks):

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from snack.dst import distributed
 from snack.dst.capture import GradientCapture
 from snack.dst.checks import check_int
-from snack.dst.layers import find_layers, listed
+from snack.dst.layers import find_layers, listed, refuse_sharded_values
 from snack.dst.optim_state import check_optimizer, check_state
 from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
@@ -208,6 +208,7 @@ class DynamicSparsity:
         does (the outermost one acts), so that its checks then fail on every rank or on none."""
         if hasattr(self, "_group"):
             return
+        refuse_sharded_values(model)
         arguments = dict(arguments)
         self._group = distributed.resolve_group(arguments.pop("process_group"))
         if self._group is not None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from snack.nn import SparseLinear
 
-__all__ = ["find_layers", "listed"]
+__all__ = ["find_layers", "listed", "refuse_sharded_values"]
 
 
 def listed(layers):
@@ -88,4 +89,22 @@ def _refuse_shared_values(named: dict[str, SparseLinear], found: list[tuple[str,
                 f"layers {first_name!r} and {name!r} share one values Parameter: dynamic sparsity would rewire one "
                 "and leave the other reading the new values at its old connections. Untie them, or leave both out "
                 "of layers."
+            )
+
+
+def refuse_sharded_values(model) -> None:
+    """Raise ``NotImplementedError`` if a SparseLinear of ``model`` holds sharded ``values`` (a
+    ``DTensor``, as FSDP's ``fully_shard`` makes): an update rewires a layer's whole ``values``
+    and optimizer state, which each rank holds only a shard of. Checked before any collective,
+    so every rank (all sharded alike) raises."""
+    if not isinstance(model, nn.Module) or not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, SparseLinear) and isinstance(module.values, DTensor):
+            raise NotImplementedError(
+                f"layer {name!r} holds sharded values (a DTensor, as FSDP's fully_shard makes): dynamic sparse "
+                "training rewires a layer's whole values and optimizer state, which each rank holds a shard of. "
+                "Wrap the model in DistributedDataParallel for DST; FSDP trains a fixed topology."
             )
