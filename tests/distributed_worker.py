@@ -110,6 +110,8 @@ def train_under_fsdp(rank: int) -> dict:
     fully_shard(net, mesh=mesh)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     refusal = failure(lambda: snack.dst.SET(net, optimizer, total_steps=1000))
+    nothing = torch.empty(0, dtype=torch.int64)
+    rewire_refusal = failure(lambda: snack.dst.rewire(net[1], optimizer, nothing, nothing, name="conv"))
     for step in range(STEPS):
         x, y = global_batch(step)
         mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
@@ -119,7 +121,7 @@ def train_under_fsdp(rank: int) -> dict:
         optimizer.step()
     state = {key: value.full_tensor() if isinstance(value, DTensor) else value
              for key, value in net.state_dict().items()}  # fmt: skip
-    return {"state": state, "dst": refusal}
+    return {"state": state, "dst": refusal, "rewire": rewire_refusal}
 
 
 def built_on_meta_under_fsdp(rank: int) -> list[dict]:

@@ -92,6 +92,7 @@ def test_under_fsdp_sparse_layers_train_as_one_process_does_and_dst_is_refused(r
         assert rank["under_fsdp"]["dst"].startswith(
             "NotImplementedError: layer '1' holds sharded values (a DTensor, as FSDP's fully_shard makes)"
         )
+        assert rank["under_fsdp"]["rewire"].startswith("NotImplementedError: conv holds sharded values")
 
 
 def test_a_model_built_on_meta_and_sharded_draws_one_topology_on_every_rank(ranks):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from snack.dst.layers import check_not_sharded
 from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.indexing import merge_connections, take_or_fill
 from snack.nn.layer import SparseLinear, _NewTopology
@@ -91,6 +92,7 @@ def _plan_rewire(layer, optimizer, drop, grow, grow_values, name) -> Rewiring:
         raise TypeError(f"{name}: layer must be a snack.SparseLinear, got {type(layer).__name__}")
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    check_not_sharded(name, layer)
     check_optimizer(optimizer, {name: layer.values})
     values = layer.values
     drop, _ = _positions(drop, "drop", name, layer.nnz, values.device)
