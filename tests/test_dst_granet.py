@@ -9,27 +9,10 @@ from torch import nn
 
 import snack
 from conftest import check_topology_invariants
+from dst_models import batches, cnn, loss, mlp, sparse_layers, train
 from snack.dst.prune_grow import linear_index
 
-
-def _mlp():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6)).double()
-    return snack.sparsify(net, 0.5, init="random"), torch.randn(5, 12, dtype=torch.float64)
-
-
-def _cnn():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, 6)).double()
-    return snack.sparsify(net, 0.5, init="random"), torch.randn(5, 2, 5, 5, dtype=torch.float64)
-
-
-def _sparse_layers(model):
-    return [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
-
-
-def _loss(model, x):
-    return model(x).sin().sum()
+SPARSITY = 0.5  # of the models built by dst_models
 
 
 def _expected_pruned_counts(layers, sparsity, pruning, initial_nnz):
@@ -51,13 +34,13 @@ def _expected_pruned_counts(layers, sparsity, pruning, initial_nnz):
 
 
 @pytest.mark.parametrize("pruning", ["global", "layerwise"])
-@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("make", [mlp, cnn], ids=["mlp", "cnn"])
 def test_an_update_prunes_then_regrows_where_the_dense_gradient_is_largest(make, pruning):
     """One update: the pruning count of the schedule (global or per layer), then floor(f · survivors)
     more of the smallest |w| dropped and as many grown at the largest |dL/dW| among positions
     inactive before, at zero; the dense model's gradient is the reference."""
-    model, x = make()
-    layers = _sparse_layers(model)
+    model, x = make(SPARSITY)
+    layers = sparse_layers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay put: the drop is predictable
     dst = snack.dst.GraNet(model, opt, final_sparsity=0.85, start_step=0, end_step=4, total_steps=10,
                            update_every=1, drop_fraction=0.3, schedule="constant", pruning=pruning)  # fmt: skip
@@ -66,9 +49,9 @@ def test_an_update_prunes_then_regrows_where_the_dense_gradient_is_largest(make,
     pruned = _expected_pruned_counts(layers, dst.sparsity(1), pruning, initial)
     assert sum(pruned) > 0
     dense = snack.densify(copy.deepcopy(model))
-    _loss(model, x).backward()
+    loss(model, x).backward()
     opt.step()
-    _loss(dense, x).backward()
+    loss(dense, x).backward()
     dense_grads = [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]
     assert dst.step()
     for layer, (key, values), p, n0, grad in zip(layers, old, pruned, initial, dense_grads, strict=True):
@@ -84,32 +67,17 @@ def test_an_update_prunes_then_regrows_where_the_dense_gradient_is_largest(make,
         assert bool((layer.values[torch.isin(linear_index(layer.topology), grown)] == 0).all())
 
 
-def _batches(n, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(8, 12, generator=generator, dtype=torch.float64) for _ in range(n)]
-
-
-def _train(model, opt, dst, batches):
-    flags = []
-    for x in batches:
-        opt.zero_grad()
-        _loss(model, x).backward()
-        opt.step()
-        flags.append(dst.step())
-    return flags
-
-
 @pytest.mark.parametrize("pruning", ["global", "layerwise"])
 def test_nnz_follows_the_cubic_schedule_and_regrowth_continues_after_end_step_until_it_stops(pruning):
-    model, _ = _mlp()
-    layers = _sparse_layers(model)
+    model, _ = mlp(SPARSITY)
+    layers = sparse_layers(model)
     total = sum(m.out_features * m.in_features for m in layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dst = snack.dst.GraNet(model, opt, final_sparsity=0.9, start_step=2, end_step=10, total_steps=30, update_every=4,
                            stop_fraction=0.6, schedule="constant", pruning=pruning)  # fmt: skip
     counts = []
-    for x in _batches(24):
-        _train(model, opt, dst, [x])
+    for x in batches(24):
+        train(model, opt, dst, [x])
         counts.append(sum(m.nnz for m in layers))
         for m in layers:
             check_topology_invariants(m, m.nnz)
@@ -125,13 +93,13 @@ def test_nnz_follows_the_cubic_schedule_and_regrowth_continues_after_end_step_un
 
 
 def test_regrowth_changes_the_topology_without_changing_nnz_after_end_step():
-    model, _ = _mlp()
-    layers = _sparse_layers(model)
+    model, _ = mlp(SPARSITY)
+    layers = sparse_layers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.GraNet(model, opt, final_sparsity=0.8, start_step=0, end_step=2, total_steps=40, update_every=2)
-    _train(model, opt, dst, _batches(2))
+    train(model, opt, dst, batches(2))
     before = [(linear_index(m.topology), m.nnz) for m in layers]
-    flags = _train(model, opt, dst, _batches(18, seed=1))
+    flags = train(model, opt, dst, batches(18, seed=1))
     assert flags == [t % 2 == 0 for t in range(3, 21)]  # (the cosine fraction is 0.25 at step 20)
     for m, (key, nnz) in zip(layers, before):
         assert m.nnz == nnz and not torch.equal(linear_index(m.topology), key)
@@ -144,17 +112,17 @@ def test_without_regrowth_layerwise_granet_prunes_exactly_as_gradual_pruning():
         lambda m, o: snack.dst.GraNet(m, o, final_sparsity=0.9, start_step=0, end_step=12, update_every=3,
                                       total_steps=20, drop_fraction=0.0, pruning="layerwise"),
     ):  # fmt: skip
-        model, _ = _mlp()
+        model, _ = mlp(SPARSITY)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        _train(model, opt, make_dst(model, opt), _batches(15))
+        train(model, opt, make_dst(model, opt), batches(15))
         runs.append(model.state_dict())
     assert runs[0].keys() == runs[1].keys()
     assert all(torch.equal(runs[0][key], runs[1][key]) for key in runs[0])
 
 
 def test_global_pruning_keeps_one_connection_of_a_layer_whose_weights_are_all_small():
-    model, _ = _mlp()
-    layers = _sparse_layers(model)
+    model, _ = mlp(SPARSITY)
+    layers = sparse_layers(model)
     with torch.no_grad():
         layers[1].values.mul_(1e-6)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -162,36 +130,36 @@ def test_global_pruning_keeps_one_connection_of_a_layer_whose_weights_are_all_sm
                            drop_fraction=0.0)  # fmt: skip
     largest = linear_index(layers[1].topology)[layers[1].values.abs().argmax()]
     total = sum(m.out_features * m.in_features for m in layers)
-    _train(model, opt, dst, _batches(1))
+    train(model, opt, dst, batches(1))
     assert layers[1].nnz == 1 and linear_index(layers[1].topology).tolist() == [largest]
     assert sum(m.nnz for m in layers) == round(total * 0.05)
 
 
 def test_resume_from_checkpoint_is_bitwise_identical():
     def build():
-        model, _ = _mlp()
+        model, _ = mlp(SPARSITY)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dst = snack.dst.GraNet(model, opt, final_sparsity=0.9, start_step=0, end_step=12, total_steps=24,
                                update_every=3, grow_init="random")  # fmt: skip
         return model, opt, dst
 
-    batches = _batches(24)
+    inputs = batches(24)
     model, opt, dst = build()
-    _train(model, opt, dst, batches)
+    train(model, opt, dst, inputs)
     straight = model.state_dict()
     model, opt, dst = build()
-    _train(model, opt, dst, batches[:7])
+    train(model, opt, dst, inputs[:7])
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "dst": dst.state_dict()})
     model, opt, dst = build()
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     dst.load_state_dict(saved["dst"])
-    _train(model, opt, dst, batches[7:])
+    train(model, opt, dst, inputs[7:])
     assert all(torch.equal(straight[key], value) for key, value in model.state_dict().items())
 
 
 def test_load_state_dict_rejects_another_configuration():
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     options = dict(final_sparsity=0.9, start_step=0, end_step=10, total_steps=20)
     state = snack.dst.GraNet(model, opt, **options).state_dict()
@@ -215,7 +183,7 @@ def test_load_state_dict_rejects_another_configuration():
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = copy.deepcopy(model.state_dict())
     options = dict(final_sparsity=0.9, start_step=0, end_step=10, total_steps=20)
@@ -254,20 +222,20 @@ def test_a_layer_whose_recorded_batch_is_not_finite_is_pruned_but_regrows_nothin
 
 
 def test_a_frozen_layer_is_left_alone_while_frozen():
-    model, _ = _mlp()
-    layers = _sparse_layers(model)
+    model, _ = mlp(SPARSITY)
+    layers = sparse_layers(model)
     layers[1].requires_grad_(False)
     frozen = (layers[1].row.clone(), layers[1].col.clone(), layers[1].values.detach().clone())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.GraNet(model, opt, final_sparsity=0.9, start_step=0, end_step=4, total_steps=10, update_every=2)
     others = [m.nnz for m in layers]
-    assert _train(model, opt, dst, _batches(4)) == [False, True, False, True]
+    assert train(model, opt, dst, batches(4)) == [False, True, False, True]
     assert all(torch.equal(a, b) for a, b in zip(frozen, (layers[1].row, layers[1].col, layers[1].values)))
     assert layers[0].nnz < others[0] and layers[2].nnz < others[2]
 
 
 def test_an_update_without_a_recorded_gradient_is_an_error_that_changes_nothing():
-    model, x = _mlp()
+    model, x = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.GraNet(model, opt, final_sparsity=0.9, start_step=0, end_step=4, total_steps=10, update_every=1)
     before = copy.deepcopy(model.state_dict())

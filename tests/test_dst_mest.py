@@ -11,51 +11,19 @@ from torch import nn
 
 import snack
 from conftest import check_topology_invariants
+from dst_models import batches, cnn, loss, mlp, sparse_layers, train
 from snack.dst.prune_grow import linear_index, random_grow
 
-
-def _mlp():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(12, 10), nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 6)).double()
-    return snack.sparsify(net, 0.6, init="random"), torch.randn(5, 12, dtype=torch.float64)
+SPARSITY = 0.6  # of the models built by dst_models
 
 
-def _cnn():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, 6)).double()
-    return snack.sparsify(net, 0.6, init="random"), torch.randn(5, 2, 5, 5, dtype=torch.float64)
-
-
-def _sparse_layers(model):
-    return [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
-
-
-def _loss(model, x):
-    return model(x).sin().sum()
-
-
-def _batches(n, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(8, 12, generator=generator, dtype=torch.float64) for _ in range(n)]
-
-
-def _train(model, opt, dst, batches):
-    flags = []
-    for x in batches:
-        opt.zero_grad()
-        _loss(model, x).backward()
-        opt.step()
-        flags.append(dst.step())
-    return flags
-
-
-@pytest.mark.parametrize("make", [_mlp, _cnn], ids=["mlp", "cnn"])
+@pytest.mark.parametrize("make", [mlp, cnn], ids=["mlp", "cnn"])
 def test_an_update_drops_the_lowest_scores_and_grows_at_random_up_to_the_bound(make):
     """Two updates: the first from the targets, the second from above them. Each drops the lowest
     |w| + λ|∂L/∂w| (the dense model's gradient at the active positions) down to the target less
     floor(f · n), then grows random inactive positions, at zero, up to the target plus floor(e · n)."""
-    model, x = make()
-    layers = _sparse_layers(model)
+    model, x = make(SPARSITY)
+    layers = sparse_layers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay put: the drop is predictable
     dst = snack.dst.MEST(model, opt, total_steps=10, update_every=1, drop_fraction=0.2, extra_fraction=0.5,
                          gradient_weight=0.7, schedule="constant")  # fmt: skip
@@ -66,9 +34,9 @@ def test_an_update_drops_the_lowest_scores_and_grows_at_random_up_to_the_bound(m
         old = [(m.topology, linear_index(m.topology), m.values.detach().clone()) for m in layers]
         dense = snack.densify(copy.deepcopy(model))
         opt.zero_grad()
-        _loss(model, x).backward()
+        loss(model, x).backward()
         opt.step()
-        _loss(dense, x).backward()
+        loss(dense, x).backward()
         dense_grads = [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]
         assert dst.step()
         for layer, (topology, key, values), n, grad in zip(layers, old, targets, dense_grads, strict=True):
@@ -88,15 +56,15 @@ def test_an_update_drops_the_lowest_scores_and_grows_at_random_up_to_the_bound(m
 
 
 def test_nnz_rises_to_the_bound_follows_its_decay_and_ends_at_the_targets():
-    model, _ = _mlp()
-    layers = _sparse_layers(model)
+    model, _ = mlp(SPARSITY)
+    layers = sparse_layers(model)
     targets = [m.nnz for m in layers]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dst = snack.dst.MEST(model, opt, total_steps=30, update_every=4, extra_fraction=0.6, drop_fraction=0.1)
     assert dst.decay.end_step == 22  # floor(0.75 · 30)
     history = []
-    for x in _batches(30):
-        _train(model, opt, dst, [x])
+    for x in batches(30):
+        train(model, opt, dst, [x])
         history.append((linear_index(layers[0].topology), [m.nnz for m in layers]))
         for m in layers:
             check_topology_invariants(m, m.nnz)
@@ -119,9 +87,9 @@ def test_with_a_hard_bound_and_no_gradient_term_it_is_set():
         lambda m, o: snack.dst.MEST(m, o, drop_fraction=0.3, extra_fraction=0.0, update_every=4, total_steps=20,
                                     schedule="constant"),
     ):  # fmt: skip
-        model, _ = _mlp()
+        model, _ = mlp(SPARSITY)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        flags = _train(model, opt, make_dst(model, opt), _batches(20))
+        flags = train(model, opt, make_dst(model, opt), batches(20))
         runs.append((model.state_dict(), opt.state_dict()["state"], flags))
     (set_model, set_opt, set_flags), (mest_model, mest_opt, mest_flags) = runs
     assert set_flags == mest_flags == [t in (4, 8, 12) for t in range(1, 21)]  # (MEST's last update, 15, is empty)
@@ -130,10 +98,10 @@ def test_with_a_hard_bound_and_no_gradient_term_it_is_set():
 
 
 def test_a_missing_gradient_is_an_error_that_changes_nothing():
-    model, x = _mlp()
+    model, x = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dst = snack.dst.MEST(model, opt, total_steps=10, update_every=1, gradient_weight=0.1, drop_fraction=0.2)
-    _loss(model, x).backward()
+    loss(model, x).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)  # before dst.step(): the score has no gradient to read
     before = copy.deepcopy(model.state_dict())
@@ -166,33 +134,33 @@ def test_resume_from_a_model_loaded_before_construction_is_bitwise_identical():
     """The model, loaded first, holds connections above the targets: these come from the saved state."""
 
     def build(model=None):
-        fresh, _ = _mlp()
+        fresh, _ = mlp(SPARSITY)
         model = model or fresh
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         dst = snack.dst.MEST(model, opt, total_steps=24, update_every=3, drop_fraction=0.2, gradient_weight=0.3,
                              grow_init="random")  # fmt: skip
         return model, opt, dst
 
-    batches = _batches(24)
+    inputs = batches(24)
     model, opt, dst = build()
-    _train(model, opt, dst, batches)
+    train(model, opt, dst, inputs)
     straight = model.state_dict()
     model, opt, dst = build()
-    _train(model, opt, dst, batches[:7])
+    train(model, opt, dst, inputs[:7])
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "dst": dst.state_dict()})
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     model.load_state_dict(saved["model"])
     model, opt, dst = build(model)
     assert dst.target_nnz != saved["dst"]["target_nnz"]  # built on a model above its targets
     opt.load_state_dict(saved["opt"])
     dst.load_state_dict(saved["dst"])
     assert dst.target_nnz == saved["dst"]["target_nnz"]
-    _train(model, opt, dst, batches[7:])
+    train(model, opt, dst, inputs[7:])
     assert all(torch.equal(straight[key], value) for key, value in model.state_dict().items())
 
 
 def test_load_state_dict_rejects_another_configuration():
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = snack.dst.MEST(model, opt, total_steps=1000).state_dict()
     with pytest.raises(ValueError, match=r"configuration differs \(extra_fraction: saved 0.5, this object 0.25\)"):
@@ -217,7 +185,7 @@ def test_load_state_dict_rejects_another_configuration():
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(error, match=match):
@@ -227,7 +195,7 @@ def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
 
 
 def test_a_schedule_without_updates_warns_at_construction():
-    model, _ = _mlp()
+    model, _ = mlp(SPARSITY)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(UserWarning, match=r"MEST will never change the topology: updates stop at step 7 of 10"):
         snack.dst.MEST(model, opt, total_steps=10, update_every=100)
