@@ -202,3 +202,21 @@ def test_a_schedule_without_updates_warns_at_construction():
     with warnings.catch_warnings():  # a deliberate static run (both fractions 0) does not warn
         warnings.simplefilter("error")
         snack.dst.MEST(model, opt, total_steps=10, update_every=100, extra_fraction=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_layer_is_scored_in_float32(dtype):
+    """|w| + λ|g| of 16-bit weights, in float32: the same drop as the score formed in float64."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(12, 10, sparsity=0.5, dtype=dtype)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.MEST(layer, opt, total_steps=10, update_every=1, drop_fraction=0.3, extra_fraction=0.0,
+                         gradient_weight=0.5, schedule="constant")  # fmt: skip
+    layer(torch.randn(4, 12, dtype=dtype)).float().square().sum().backward()
+    key, values, grad = linear_index(layer.topology), layer.values.detach().clone(), layer.values.grad.clone()
+    assert dst.step()
+    score = values.double().abs() + 0.5 * grad.double().abs()
+    dropped = key[score.sort(stable=True).indices[: math.floor(0.3 * key.numel())]]
+    now = set(linear_index(layer.topology).tolist())
+    assert set(key.tolist()) - now == set(dropped.tolist())  # exactly those dropped, the rest kept
+    check_topology_invariants(layer, key.numel())
