@@ -220,7 +220,8 @@ class Result:
     accuracy: float
     ms_per_step: float
     train_seconds: float
-    state_bytes: int  # weights + index buffers + masks + optimizer state
+    state_bytes: int  # weights + index buffers + masks + optimizer state, at the end
+    peak_state_bytes: int  # the same, at most, after any step that changed the topology (or the first)
     steps: int
     topology_updates: int
 
@@ -276,6 +277,7 @@ class _Run:
                 )
         self.step_seconds: list[float] = []
         self.updates = 0
+        self.peak_state_bytes = 0
 
     def step(self, x: Tensor, y: Tensor) -> float:
         start = time.perf_counter()
@@ -284,11 +286,13 @@ class _Run:
         loss.backward()
         self.optimizer.step()
         self.scheduler.step()
-        if self.dst is not None:
-            self.updates += self.dst.step()
+        changed = self.dst is not None and self.dst.step()
+        self.updates += changed
         if x.is_cuda:  # the step's kernels are queued, not done: time them too
             torch.cuda.synchronize(x.device)
         self.step_seconds.append(time.perf_counter() - start)
+        if changed or len(self.step_seconds) == 1:  # untimed: the state only changes size at these steps
+            self.peak_state_bytes = max(self.peak_state_bytes, state_bytes(self.model, self.optimizer))
         return loss.item()
 
 
@@ -331,7 +335,8 @@ def train_models(
             accuracy=accuracy(run.model, data.x_test, data.y_test),
             ms_per_step=1e3 * statistics.median(seconds),
             train_seconds=sum(seconds),
-            state_bytes=state_bytes(run.model, run.optimizer),
+            state_bytes=(final := state_bytes(run.model, run.optimizer)),
+            peak_state_bytes=max(final, run.peak_state_bytes),
             steps=total_steps,
             topology_updates=run.updates,
         ))
@@ -412,6 +417,8 @@ def run(args: argparse.Namespace) -> int:
         f"{label}: held-out accuracy {main.accuracy:.4f}, {main.ms_per_step:.1f} ms/step (median) "
         f"({main.steps} steps, {main.topology_updates} topology updates), "
         f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB"
+        + (f" (at most {main.peak_state_bytes / 2**20:.2f} MiB while training)"
+           if main.peak_state_bytes > main.state_bytes else "")
     )
     if args.algorithm in ("granet", "mest"):  # granet's pruned, mest's back to its targets
         print(f"{args.algorithm}'s densities at the end: {_densities(layers)}")

@@ -187,6 +187,10 @@ def test_snack_train_mest_grows_above_its_targets_and_ends_at_them(capsys):
     assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
     start = re.search(r"erk densities: (32×784 \d\.\d+ · 32×32 \d\.\d+ · 10×32 \d\.\d+)\n", out).group(1)
     assert f"mest's densities at the end: {start}\n" in out
+    # above its targets between updates: its state was larger then than at the end
+    memory = re.search(r"weights\+optimizer (\S+) MiB \(at most (\S+) MiB while training\)", out)
+    final, peak = map(float, memory.groups())
+    assert peak > final
 
 
 @pytest.mark.parametrize(
