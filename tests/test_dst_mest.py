@@ -220,3 +220,21 @@ def test_a_16_bit_layer_is_scored_in_float32(dtype):
     now = set(linear_index(layer.topology).tolist())
     assert set(key.tolist()) - now == set(dropped.tolist())  # exactly those dropped, the rest kept
     check_topology_invariants(layer, key.numel())
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_a_compiled_model_rewires_as_the_eager_one():
+    """MEST reads ``values.grad`` and records nothing: a model compiled with ``fullgraph=True``
+    trains as the eager one, though its nnz changes at every update."""
+    (model, _), (reference, _) = mlp(SPARSITY), mlp(SPARSITY)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    dsts = [snack.dst.MEST(m, opt, total_steps=10, update_every=2, drop_fraction=0.2, gradient_weight=0.5)
+            for m, opt in zip((model, reference), opts)]  # fmt: skip
+    inputs = batches(8)
+    flags = train(compiled, opts[0], dsts[0], inputs)
+    assert flags == train(reference, opts[1], dsts[1], inputs) and sum(flags) == 4  # steps 2, 4, 6 and 7 (the last)
+    for layer, expected in zip(sparse_layers(model), sparse_layers(reference), strict=True):
+        assert torch.equal(layer.row, expected.row) and torch.equal(layer.col, expected.col)
+        torch.testing.assert_close(layer.values, expected.values)
