@@ -98,20 +98,34 @@ def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor
     return layers_state(net), dst.generator.get_state()
 
 
-def train_under_fsdp(rank: int) -> dict:
-    """Every sparse layer, and the model, sharded with FSDP (``fully_shard``): a fixed topology
-    trained on this rank's slice of the global batches, its full state gathered at the end; and
-    what a DST object says of the sharded values."""
+def set_random(net: nn.Module, optimizer):
+    return snack.dst.SET(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
+
+
+# under FSDP: the algorithms that keep nnz (None: a fixed topology)
+FSDP_ALGORITHMS = {"static": None, "set": set_random, "rigl": rigl}
+
+
+def fsdp_optimizer(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # per-element state, sharded too
+
+
+def shard(net: nn.Module) -> nn.Module:
+    """``fully_shard`` every sparse layer and the model (FSDP2): values and bias become DTensors."""
     mesh = init_device_mesh("cpu", (WORLD,))
-    net = model()
     for module in net.modules():
         if isinstance(module, snack.SparseLinear):
             fully_shard(module, mesh=mesh)
-    fully_shard(net, mesh=mesh)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    refusal = failure(lambda: snack.dst.SET(net, optimizer, total_steps=1000))
-    nothing = torch.empty(0, dtype=torch.int64)
-    rewire_refusal = failure(lambda: snack.dst.rewire(net[1], optimizer, nothing, nothing, name="conv"))
+    return fully_shard(net, mesh=mesh)
+
+
+def train_under_fsdp(rank: int, algorithm: str) -> dict:
+    """``algorithm`` on a sharded model, each rank on its slice of the global batches: the full
+    state gathered at the end, and the DST object's RNG state."""
+    net = shard(model())
+    optimizer = fsdp_optimizer(net)
+    make = FSDP_ALGORITHMS[algorithm]
+    dst = make(net, optimizer) if make is not None else None
     for step in range(STEPS):
         x, y = global_batch(step)
         mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
@@ -119,9 +133,24 @@ def train_under_fsdp(rank: int) -> dict:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if dst is not None:
+            dst.step()
     state = {key: value.full_tensor() if isinstance(value, DTensor) else value
              for key, value in net.state_dict().items()}  # fmt: skip
-    return {"state": state, "dst": refusal, "rewire": rewire_refusal}
+    return {"state": state, "generator": dst.generator.get_state() if dst is not None else None}
+
+
+def refused_under_fsdp(rank: int) -> dict:
+    """What an algorithm that changes nnz, a direct rewire and a rank acting alone say of sharded
+    layers."""
+    net = shard(model())
+    optimizer = fsdp_optimizer(net)
+    nothing = torch.empty(0, dtype=torch.int64)
+    return {
+        "granet": failure(lambda: granet(net, optimizer)),
+        "rewire": failure(lambda: snack.dst.rewire(net[1], optimizer, nothing, nothing, name="conv")),
+        "alone": failure(lambda: snack.dst.SET(net, optimizer, total_steps=1000, process_group=False)),
+    }
 
 
 def built_on_meta_under_fsdp(rank: int) -> list[dict]:
@@ -237,7 +266,8 @@ def run_rank(rank: int, out: Path) -> None:
     try:
         results = {
             **{f"{name}_under_ddp": train_under_ddp(rank, name) for name in ALGORITHMS},
-            "under_fsdp": train_under_fsdp(rank),
+            **{f"{name}_under_fsdp": train_under_fsdp(rank, name) for name in FSDP_ALGORITHMS},
+            "refused_under_fsdp": refused_under_fsdp(rank),
             "built_on_meta_under_fsdp": built_on_meta_under_fsdp(rank),
             "different_seeds": different_seeds(rank),
             "rank_zero_decides": rank_zero_decides(rank),

@@ -72,27 +72,47 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
     assert all(done for done, then in zip(changed, initial) if then["col"].numel() > 4) and any(changed)
 
 
-def test_under_fsdp_sparse_layers_train_as_one_process_does_and_dst_is_refused(ranks):
-    """FSDP (fully_shard) shards values and bias; the gathered result is one process's training
-    on the whole batch. A DST object refuses the shards, on every rank, naming DDP instead."""
+@pytest.mark.parametrize("algorithm", sorted(worker.FSDP_ALGORITHMS))
+def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, algorithm):
+    """FSDP (fully_shard) shards values, bias and the momentum; an update gathers a layer's whole
+    values and state, rewires them as one process would, and each rank keeps its shard: the
+    gathered result is one process's training on the whole batch (RigL growing from every rank's
+    records)."""
     net = worker.model()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    optimizer = worker.fsdp_optimizer(net)
+    make = worker.FSDP_ALGORITHMS[algorithm]
+    dst = make(net, optimizer) if make is not None else None
     for step in range(worker.STEPS):
         x, y = worker.global_batch(step)
         loss = nn.functional.cross_entropy(net(x), y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if dst is not None:
+            dst.step()
     expected = net.state_dict()
     for rank in ranks:
-        state = rank["under_fsdp"]["state"]
+        state = rank[f"{algorithm}_under_fsdp"]["state"]
         assert state.keys() == expected.keys()
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12)
-        assert rank["under_fsdp"]["dst"].startswith(
-            "NotImplementedError: layer '1' holds sharded values (a DTensor, as FSDP's fully_shard makes)"
+        if dst is not None:
+            assert torch.equal(rank[f"{algorithm}_under_fsdp"]["generator"], dst.generator.get_state())
+    if dst is not None:  # the updates changed the topology
+        initial = worker.layers_state(worker.model())
+        assert any(not torch.equal(now["col"], then["col"]) for now, then in zip(worker.layers_state(net), initial))
+
+
+def test_under_fsdp_what_changes_nnz_a_direct_rewire_and_a_rank_alone_are_refused(ranks):
+    for rank in ranks:
+        refused = rank["refused_under_fsdp"]
+        assert refused["granet"].startswith(
+            "NotImplementedError: GraNet changes the nnz of its layers, and layer '1' holds sharded values"
         )
-        assert rank["under_fsdp"]["rewire"].startswith("NotImplementedError: conv holds sharded values")
+        assert refused["rewire"].startswith("NotImplementedError: conv holds sharded values")
+        assert refused["alone"].startswith(
+            "ValueError: layer '1' is sharded over ranks [0, 1], but this DST object acts with this rank alone"
+        )
 
 
 def test_a_model_built_on_meta_and_sharded_draws_one_topology_on_every_rank(ranks):

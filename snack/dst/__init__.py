@@ -19,7 +19,8 @@ generic update), :mod:`~snack.dst.optim_state` (optimizer state remap),
 :mod:`~snack.dst.schedules`, :mod:`~snack.dst.capture` (X/dY hooks for RigL),
 :mod:`~snack.dst.base` (what every algorithm shares), :mod:`~snack.dst.algorithms`, :mod:`~snack.dst.granet`,
 :mod:`~snack.dst.mest`,
-:mod:`~snack.dst.layers` (the ``layers=`` argument), :mod:`~snack.dst.distributed` (several ranks, DDP).
+:mod:`~snack.dst.layers` (the ``layers=`` argument), :mod:`~snack.dst.distributed` (several ranks, DDP),
+:mod:`~snack.dst.sharded` (FSDP-sharded layers).
 """
 
 from snack.dst.algorithms import SET, DropGrow, GradualPruning, RigL

@@ -141,6 +141,8 @@ class DropGrow(DynamicSparsity):
     Args: as :class:`SET` (without ``split_sign``).
     """
 
+    keeps_nnz = True  # k dropped, k grown: it acts on FSDP-sharded layers too
+
     def __init__(
         self,
         model: nn.Module,

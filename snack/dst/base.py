@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from snack.dst import distributed
 from snack.dst.capture import GradientCapture
 from snack.dst.checks import check_int
-from snack.dst.layers import find_layers, listed, refuse_sharded_values
+from snack.dst.layers import find_layers, listed
 from snack.dst.optim_state import check_optimizer, check_state
+from snack.dst.sharded import check_sharding_ranks, refuse_sharded_values, whole_layers
 from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
 
@@ -79,9 +80,16 @@ class DynamicSparsity:
     same steps and load the same state; every rank then applies rank 0's update
     (:mod:`snack.dst.distributed`). ``process_group`` picks the ranks that share the topology
     (default: all; ``False``: this rank alone).
+
+    Under FSDP (``fully_shard``: ``values`` are DTensor shards) an update gathers each sharded
+    layer's whole ``values`` and optimizer state, rewires them, and each rank writes its shard of
+    the result back in place (:mod:`snack.dst.sharded`); an algorithm whose updates change nnz
+    (``keeps_nnz = False``, the default) refuses sharded layers at construction.
     """
 
     needs_gradient = False
+    # whether every update keeps each layer's nnz: only such algorithms act on FSDP-sharded layers
+    keeps_nnz = False
     _batches: tuple = ()  # with needs_gradient, during an update: per layer, what _recorded returned
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, layers, seed: int, process_group=None):
@@ -208,9 +216,10 @@ class DynamicSparsity:
         does (the outermost one acts), so that its checks then fail on every rank or on none."""
         if hasattr(self, "_group"):
             return
-        refuse_sharded_values(model)
+        refuse_sharded_values(model, type(self).__name__, self.keeps_nnz)
         arguments = dict(arguments)
         self._group = distributed.resolve_group(arguments.pop("process_group"))
+        check_sharding_ranks(model, self._group)
         if self._group is not None:
             distributed.check_same_on_every_rank({
                 "algorithm": type(self).__name__,
@@ -243,20 +252,23 @@ class DynamicSparsity:
         (a bad plan, out of memory) leaves every layer, the optimizer and the RNG as they were,
         on every rank (the ranks agree after each phase, see :func:`distributed.agreed`)."""
         rng_state = self.generator.get_state()
-        try:
-            rewirings = self._rewirings(step)
-        except BaseException:
-            self.generator.set_state(rng_state)
-            raise
-        finally:
-            self._batches = ()
-        for rewiring in rewirings:
-            rewiring.apply()
+        # FSDP-sharded layers are rewired whole, then each rank keeps its shard (snack.dst.sharded)
+        with whole_layers(self.layers, self.optimizer) as sharded:
+            try:
+                rewirings = self._rewirings(step, sharded)
+            except BaseException:
+                self.generator.set_state(rng_state)
+                raise
+            finally:
+                self._batches = ()
+            for rewiring in rewirings:
+                rewiring.apply()
+            sharded.write_back()
         if self._capture is not None:
             self._capture.clear()
         return bool(rewirings)
 
-    def _rewirings(self, step: int) -> list:
+    def _rewirings(self, step: int, sharded) -> list:
         group = self._group
 
         def check_states() -> None:
@@ -269,6 +281,7 @@ class DynamicSparsity:
         check = (step, *self._fingerprints(), frozen) if group is not None else None
         starting = "starting the update (step, a fingerprint of each layer's topology, frozen layers, optimizer state)"
         distributed.agreed(group, starting, check_states, check)
+        sharded.gather()  # (FSDP) collectives too: after the ranks agreed on the update
         self._before_planning(step)
 
         def plan() -> list:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from snack.nn import SparseLinear
 
-__all__ = ["check_not_sharded", "find_layers", "listed", "refuse_sharded_values"]
+__all__ = ["find_layers", "listed"]
 
 
 def listed(layers):
@@ -91,29 +90,3 @@ def _refuse_shared_values(named: dict[str, SparseLinear], found: list[tuple[str,
                 "of layers."
             )
 
-
-def refuse_sharded_values(model) -> None:
-    """Raise ``NotImplementedError`` if a SparseLinear of ``model`` holds sharded ``values``
-    (:func:`check_not_sharded`). Checked before any collective, so every rank (all sharded alike)
-    raises."""
-    if not isinstance(model, nn.Module):
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, SparseLinear):
-            check_not_sharded(f"layer {name!r}", module)
-
-
-def check_not_sharded(name: str, layer: SparseLinear) -> None:
-    """Raise ``NotImplementedError`` if ``layer.values`` is sharded (a ``DTensor``, as FSDP's
-    ``fully_shard`` makes): a rewire changes a layer's whole ``values`` and optimizer state, which
-    each rank holds only a shard of. ``name`` starts the message."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(layer.values, DTensor):
-        raise NotImplementedError(
-            f"{name} holds sharded values (a DTensor, as FSDP's fully_shard makes): dynamic sparse training "
-            "rewires a layer's whole values and optimizer state, which each rank holds a shard of. Wrap the model "
-            "in DistributedDataParallel for DST; FSDP trains a fixed topology."
-        )

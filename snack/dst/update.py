@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from snack.dst.layers import check_not_sharded
+from snack.dst.sharded import check_not_sharded
 from snack.dst.optim_state import check_optimizer, remapped_state
 from snack.indexing import merge_connections, take_or_fill
 from snack.nn.layer import SparseLinear, _NewTopology
