@@ -102,12 +102,15 @@ def set_random(net: nn.Module, optimizer):
     return snack.dst.SET(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
 
 
-# under FSDP: the algorithms that keep nnz (None: a fixed topology)
-FSDP_ALGORITHMS = {"static": None, "set": set_random, "rigl": rigl}
+# under FSDP: (the algorithm, which keeps nnz (None: a fixed topology), and the optimizer, whose
+# per-element state FSDP shards too: SGD's momentum, Adam's moments beside its scalar step)
+FSDP_RUNS = {"static": (None, "sgd"), "set": (set_random, "sgd"), "rigl": (rigl, "sgd"), "rigl_adam": (rigl, "adam")}
 
 
-def fsdp_optimizer(net: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)  # per-element state, sharded too
+def fsdp_optimizer(net: nn.Module, kind: str = "sgd") -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(net.parameters(), lr=0.01)
+    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 
 
 def shard(net: nn.Module) -> nn.Module:
@@ -119,12 +122,12 @@ def shard(net: nn.Module) -> nn.Module:
     return fully_shard(net, mesh=mesh)
 
 
-def train_under_fsdp(rank: int, algorithm: str) -> dict:
-    """``algorithm`` on a sharded model, each rank on its slice of the global batches: the full
-    state gathered at the end, and the DST object's RNG state."""
+def train_under_fsdp(rank: int, run: str) -> dict:
+    """``FSDP_RUNS[run]`` on a sharded model, each rank on its slice of the global batches: the
+    full state gathered at the end, and the DST object's RNG state."""
+    make, kind = FSDP_RUNS[run]
     net = shard(model())
-    optimizer = fsdp_optimizer(net)
-    make = FSDP_ALGORITHMS[algorithm]
+    optimizer = fsdp_optimizer(net, kind)
     dst = make(net, optimizer) if make is not None else None
     for step in range(STEPS):
         x, y = global_batch(step)
@@ -266,7 +269,7 @@ def run_rank(rank: int, out: Path) -> None:
     try:
         results = {
             **{f"{name}_under_ddp": train_under_ddp(rank, name) for name in ALGORITHMS},
-            **{f"{name}_under_fsdp": train_under_fsdp(rank, name) for name in FSDP_ALGORITHMS},
+            **{f"{name}_under_fsdp": train_under_fsdp(rank, name) for name in FSDP_RUNS},
             "refused_under_fsdp": refused_under_fsdp(rank),
             "built_on_meta_under_fsdp": built_on_meta_under_fsdp(rank),
             "different_seeds": different_seeds(rank),

@@ -72,15 +72,15 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
     assert all(done for done, then in zip(changed, initial) if then["col"].numel() > 4) and any(changed)
 
 
-@pytest.mark.parametrize("algorithm", sorted(worker.FSDP_ALGORITHMS))
-def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, algorithm):
-    """FSDP (fully_shard) shards values, bias and the momentum; an update gathers a layer's whole
-    values and state, rewires them as one process would, and each rank keeps its shard: the
-    gathered result is one process's training on the whole batch (RigL growing from every rank's
-    records)."""
+@pytest.mark.parametrize("run", sorted(worker.FSDP_RUNS))
+def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, run):
+    """FSDP (fully_shard) shards values, bias and the optimizer's per-element state; an update
+    gathers a layer's whole values and state, rewires them as one process would, and each rank
+    keeps its shard: the gathered result is one process's training on the whole batch (RigL
+    growing from every rank's records)."""
+    make, kind = worker.FSDP_RUNS[run]
     net = worker.model()
-    optimizer = worker.fsdp_optimizer(net)
-    make = worker.FSDP_ALGORITHMS[algorithm]
+    optimizer = worker.fsdp_optimizer(net, kind)
     dst = make(net, optimizer) if make is not None else None
     for step in range(worker.STEPS):
         x, y = worker.global_batch(step)
@@ -92,12 +92,12 @@ def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, algori
             dst.step()
     expected = net.state_dict()
     for rank in ranks:
-        state = rank[f"{algorithm}_under_fsdp"]["state"]
+        state = rank[f"{run}_under_fsdp"]["state"]
         assert state.keys() == expected.keys()
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=0, atol=1e-12)
         if dst is not None:
-            assert torch.equal(rank[f"{algorithm}_under_fsdp"]["generator"], dst.generator.get_state())
+            assert torch.equal(rank[f"{run}_under_fsdp"]["generator"], dst.generator.get_state())
     if dst is not None:  # the updates changed the topology
         initial = worker.layers_state(worker.model())
         assert any(not torch.equal(now["col"], then["col"]) for now, then in zip(worker.layers_state(net), initial))
