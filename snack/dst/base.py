@@ -16,7 +16,7 @@ from snack.dst.capture import GradientCapture
 from snack.dst.checks import check_int
 from snack.dst.layers import find_layers, listed
 from snack.dst.optim_state import check_optimizer, check_state
-from snack.dst.sharded import check_sharding_ranks, refuse_sharded_values, whole_layers
+from snack.dst.sharded import WholeLayers, check_sharded_layers
 from snack.dst.update import plan_rewire
 from snack.nn import SparseLinear
 
@@ -216,10 +216,9 @@ class DynamicSparsity:
         does (the outermost one acts), so that its checks then fail on every rank or on none."""
         if hasattr(self, "_group"):
             return
-        refuse_sharded_values(model, type(self).__name__, self.keeps_nnz)
         arguments = dict(arguments)
         self._group = distributed.resolve_group(arguments.pop("process_group"))
-        check_sharding_ranks(model, self._group)
+        check_sharded_layers(model, type(self).__name__, self.keeps_nnz, self._group)
         if self._group is not None:
             distributed.check_same_on_every_rank({
                 "algorithm": type(self).__name__,
@@ -253,7 +252,7 @@ class DynamicSparsity:
         on every rank (the ranks agree after each phase, see :func:`distributed.agreed`)."""
         rng_state = self.generator.get_state()
         # FSDP-sharded layers are rewired whole, then each rank keeps its shard (snack.dst.sharded)
-        with whole_layers(self.layers, self.optimizer) as sharded:
+        with WholeLayers(self.layers, self.optimizer) as sharded:
             try:
                 rewirings = self._rewirings(step, sharded)
             except BaseException:
@@ -268,7 +267,7 @@ class DynamicSparsity:
             self._capture.clear()
         return bool(rewirings)
 
-    def _rewirings(self, step: int, sharded) -> list:
+    def _rewirings(self, step: int, sharded: WholeLayers) -> list:
         group = self._group
 
         def check_states() -> None:

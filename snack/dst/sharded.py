@@ -1,7 +1,7 @@
 """DST on layers whose ``values`` FSDP shards (``fully_shard``: a ``DTensor`` per parameter).
 
 A rewiring moves connections anywhere in a layer, so it needs the whole ``values`` and the whole
-optimizer state, of which each rank holds a shard. During an update, :func:`whole_layers` puts a
+optimizer state, of which each rank holds a shard. During an update, :class:`WholeLayers` puts a
 plain Parameter holding the gathered tensor in each sharded layer's place (in the layer and in
 the optimizer, with the gathered state), the update runs as for any layer, and each rank then
 copies its shard of the result into the sharded tensors in place: FSDP keeps the Parameters and
@@ -11,15 +11,12 @@ fixed once ``fully_shard`` ran): the algorithms that change nnz refuse sharded l
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor, nn
 
 from snack.nn import SparseLinear
 
-__all__ = ["check_not_sharded", "check_sharding_ranks", "is_sharded", "refuse_sharded_values", "whole_layers"]
+__all__ = ["WholeLayers", "check_not_sharded", "check_sharded_layers", "is_sharded"]
 
 
 def is_sharded(tensor: Tensor) -> bool:
@@ -31,39 +28,34 @@ def is_sharded(tensor: Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def refuse_sharded_values(model, algorithm: str, keeps_nnz: bool) -> None:
-    """Raise ``NotImplementedError`` if ``algorithm``, which changes nnz unless ``keeps_nnz``,
-    would act on a SparseLinear of ``model`` whose ``values`` are sharded. Checked before any
-    collective, so every rank (all sharded alike) raises."""
-    if keeps_nnz or not isinstance(model, nn.Module):
+def check_sharded_layers(model, algorithm: str, keeps_nnz: bool, group) -> None:
+    """Raise if a SparseLinear of ``model`` has sharded ``values`` that ``algorithm`` cannot act
+    on: ``NotImplementedError`` when its updates change nnz (not ``keeps_nnz``), as a shard keeps
+    its size; ``ValueError`` unless the layer is sharded over exactly the ranks of ``group``
+    (``None``: this rank alone), which then update it together (rank 0 deciding for all): ranks
+    acting apart would write back shards of different layers. Checked before any collective, so
+    every rank (all sharded alike) raises."""
+    if not isinstance(model, nn.Module):
         return
+    ranks = sorted(torch.distributed.get_process_group_ranks(group)) if group is not None else None
     for name, module in model.named_modules():
-        if isinstance(module, SparseLinear) and is_sharded(module.values):
+        if not (isinstance(module, SparseLinear) and is_sharded(module.values)):
+            continue
+        if not keeps_nnz:
             raise NotImplementedError(
                 f"{algorithm} changes the nnz of its layers, and layer {name!r} holds sharded values (a DTensor, as "
                 "FSDP's fully_shard makes), whose shards keep the size they were made with. Under FSDP use an "
                 f"algorithm that keeps nnz (SET, RigL, a DropGrow subclass); for {algorithm}, wrap the model in "
                 "DistributedDataParallel (rebuilt after each update that changed the topology)."
             )
-
-
-def check_sharding_ranks(model, group) -> None:
-    """Raise ``ValueError`` unless every sharded layer of ``model`` is sharded over exactly the
-    ranks of ``group`` (``None``: this rank alone), which then take part in each update together
-    (rank 0 deciding for all): ranks acting apart would write back shards of different layers."""
-    if not isinstance(model, nn.Module):
-        return
-    ranks = sorted(torch.distributed.get_process_group_ranks(group)) if group is not None else None
-    for name, module in model.named_modules():
-        if isinstance(module, SparseLinear) and is_sharded(module.values):
-            sharding = sorted(module.values.device_mesh.mesh.flatten().tolist())
-            if sharding != ranks and not (ranks is None and len(sharding) == 1):
-                acting = f"ranks {ranks}" if ranks is not None else "this rank alone (process_group=False)"
-                raise ValueError(
-                    f"layer {name!r} is sharded over ranks {sharding}, but this DST object acts with {acting}: "
-                    "pass process_group=None (all ranks) or the process group of the FSDP mesh, so that the ranks "
-                    "holding a layer's shards update it together"
-                )
+        sharding = sorted(module.values.device_mesh.mesh.flatten().tolist())
+        if sharding != ranks and not (ranks is None and len(sharding) == 1):
+            acting = f"ranks {ranks}" if ranks is not None else "this rank alone (process_group=False)"
+            raise ValueError(
+                f"layer {name!r} is sharded over ranks {sharding}, but this DST object acts with {acting}: "
+                "pass process_group=None (all ranks) or the process group of the FSDP mesh, so that the ranks "
+                "holding a layer's shards update it together"
+            )
 
 
 def check_not_sharded(name: str, layer: SparseLinear) -> None:
@@ -77,23 +69,23 @@ def check_not_sharded(name: str, layer: SparseLinear) -> None:
         )
 
 
-@contextlib.contextmanager
-def whole_layers(layers: list[tuple[str, SparseLinear]], optimizer: torch.optim.Optimizer) -> Iterator[_WholeLayers]:
-    """A :class:`_WholeLayers` for the layers of ``layers`` whose ``values`` are sharded; on
-    leaving, their sharded Parameters are back in place (unchanged unless it wrote back)."""
-    whole = _WholeLayers([(name, layer) for name, layer in layers if is_sharded(layer.values)], optimizer)
-    try:
-        yield whole
-    finally:
-        whole.restore()
+class WholeLayers:
+    """The layers of ``layers`` whose ``values`` are sharded, whose whole tensors :meth:`gather`
+    puts in place for an update; a context manager that puts the sharded Parameters back on
+    leaving (unchanged unless :meth:`write_back` ran)."""
 
-
-class _WholeLayers:
-    """Sharded layers, with their whole tensors put in place by :meth:`gather` for an update."""
-
-    def __init__(self, sharded: list[tuple[str, SparseLinear]], optimizer: torch.optim.Optimizer):
-        self.sharded, self.optimizer = sharded, optimizer
+    def __init__(self, layers: list[tuple[str, SparseLinear]], optimizer: torch.optim.Optimizer):
+        self.sharded = [(name, layer) for name, layer in layers if is_sharded(layer.values)]
+        self.optimizer = optimizer
         self.swaps: list[_WholeLayer] = []
+
+    def __enter__(self) -> WholeLayers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for swap in reversed(self.swaps):
+            swap.restore()
+        self.swaps = []
 
     def gather(self) -> None:
         """Put a plain Parameter of each sharded layer's whole ``values`` in its place, in the
@@ -106,11 +98,6 @@ class _WholeLayers:
         """Copy this rank's shard of each whole tensor (rewired by now) into the sharded ones."""
         for swap in self.swaps:
             swap.write_back()
-
-    def restore(self) -> None:
-        for swap in reversed(self.swaps):
-            swap.restore()
-        self.swaps = []
 
 
 class _WholeLayer:

@@ -90,7 +90,8 @@ class SparseLinear(nn.Module):
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
         device = torch.empty(0, device=device).device  # (a `with torch.device(...)` context's too)
-        if device.type == "meta":  # no data to draw into: reset_parameters() draws it after to_empty()
+        on_meta = device.type == "meta"
+        if on_meta:  # no data to draw into: reset_parameters() draws it after to_empty()
             nnz = nnz_for_sparsity(out_features, in_features, sparsity)
             row, col = (torch.empty(nnz, dtype=torch.int32, device=device) for _ in range(2))
         else:
@@ -98,7 +99,7 @@ class SparseLinear(nn.Module):
         values = torch.empty(row.numel(), device=device, dtype=dtype)
         bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
         self._init_state(in_features, out_features, row, col, values, bias_tensor)
-        if device.type == "meta":
+        if on_meta:
             self._undrawn_sparsity = sparsity
         self.reset_parameters()
 
