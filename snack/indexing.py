@@ -91,8 +91,11 @@ def segment_pointer(index: Tensor, size: int) -> Tensor:
     from the columns of the connections)."""
     if native_for(index):
         return torch.ops.snack_cpu.segment_pointer(index, size)
+    # counted with index_add_, not bincount, whose output size depends on the data: compiled code
+    # derives a layer's pointers on its first call, and bincount broke the graph there
+    counts = torch.zeros(size, dtype=torch.int32, device=index.device).index_add_(0, index, torch.ones_like(index))
     ptr = torch.zeros(size + 1, dtype=torch.int32, device=index.device)
-    ptr[1:] = torch.bincount(index, minlength=size).cumsum(0)
+    ptr[1:] = counts.cumsum(0)
     return ptr
 
 

@@ -33,6 +33,7 @@ made by ``torch.jit.trace`` and ``torch.export`` derive a layer's index data thr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,8 +49,10 @@ __all__ = ["autocast_inputs", "sddmm", "sparse_linear", "spmm", "spmm_t"]
 _ARGUMENT_NAMES = {"spmm": ("x", "values"), "spmm_t": ("dy", "values"), "sddmm": ("dy", "x")}
 
 
-def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors) -> None:
-    """Shape/dtype/device checks shared by the real and fake kernels of every op."""
+def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors, *, check_devices: bool = True) -> None:
+    """Shape/dtype/device checks shared by the real and fake kernels of every op. ``check_devices=False``
+    leaves out the device check (CPU kernels: the dispatcher runs one only when every tensor is on
+    the CPU, the lowest-priority backend; the check is most of this function's 3 µs)."""
     out_features, in_features = topo.rowptr.numel() - 1, topo.colptr.numel() - 1
     nnz = topo.row.numel()
     names = _ARGUMENT_NAMES[op]
@@ -68,6 +71,8 @@ def _check(op: str, dense_a: Tensor, dense_b: Tensor, topo: TopologyTensors) -> 
         raise TypeError(f"snack.{op}: {a_name} and {b_name} must share a dtype, got {dense_a.dtype} and {dense_b.dtype}")
     if not dense_a.is_floating_point():
         raise TypeError(f"snack.{op}: {a_name} must be floating point, got {dense_a.dtype}")
+    if not check_devices:
+        return
     devices = {t.device for t in (dense_a, dense_b, *topo)}
     if len(devices) != 1:
         raise ValueError(f"snack.{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -77,9 +82,9 @@ def _device_kernel(op_name: str):
     """The kernel of ``snack::<op_name>``: check the inputs, then run the backend that
     :func:`snack.backends.resolve` picks for the inputs' device."""
 
-    def kernel(a: Tensor, b: Tensor, *topology: Tensor) -> Tensor:
+    def kernel(a: Tensor, b: Tensor, *topology: Tensor, check_devices: bool = True) -> Tensor:
         topo = TopologyTensors(*topology)
-        _check(op_name, a, b, topo)
+        _check(op_name, a, b, topo, check_devices=check_devices)
         return _run_backend(op_name, a, b, topo)
 
     return kernel
@@ -102,25 +107,6 @@ _spmm_t_kernel = _device_kernel("spmm_t")
 _sddmm_kernel = _device_kernel("sddmm")
 
 
-@torch.library.custom_op("snack::spmm", mutates_args=())
-def _spmm_op(
-    x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
-) -> Tensor:
-    return _spmm_kernel(x, values, row, col, rowptr, colptr, csc_perm)
-
-
-@torch.library.custom_op("snack::spmm_t", mutates_args=())
-def _spmm_t_op(
-    dy: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
-) -> Tensor:
-    return _spmm_t_kernel(dy, values, row, col, rowptr, colptr, csc_perm)
-
-
-@torch.library.custom_op("snack::sddmm", mutates_args=())
-def _sddmm_op(dy: Tensor, x: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor) -> Tensor:
-    return _sddmm_kernel(dy, x, row, col, rowptr, colptr, csc_perm)
-
-
 def _spmm_backward_kernel(
     dy: Tensor,
     x: Tensor,
@@ -131,20 +117,23 @@ def _spmm_backward_kernel(
     colptr: Tensor,
     csc_perm: Tensor,
     *,
-    bias_grad: bool = False,
-) -> tuple[Tensor, ...]:
-    """``(spmm_t(dy, values), sddmm(dy, x))``, and ``dy.sum(0)`` (the bias gradient) third when
-    ``bias_grad``: the backend's ``spmm_backward`` (one pass over the weight where that pays) when it
-    has one, else its two kernels."""
+    check_devices: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """The kernel of ``snack::spmm_backward``: ``(spmm_t(dy, values), sddmm(dy, x))`` from the
+    backend's ``spmm_backward`` (one pass over the weight where that pays) when it has one, else
+    from its two kernels."""
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
-    _check("spmm_t", dy, values, topo)
-    _check("sddmm", dy, x, topo)
-    return _backward_kernels(dy, x, values, topo, bias_grad=bias_grad)
+    _check("spmm_t", dy, values, topo, check_devices=check_devices)
+    _check("sddmm", dy, x, topo, check_devices=False)  # x's device: checked below
+    if check_devices and x.device != dy.device:
+        raise ValueError(f"snack.spmm_backward: all tensors must be on one device, got {dy.device} and {x.device}")
+    return _backward_kernels(dy, x, values, topo, bias_grad=False)
 
 
 def _backward_kernels(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool) -> tuple[Tensor, ...]:
-    """:func:`_spmm_backward_kernel` on inputs already checked (the eager layer's backward: its
-    forward checked them, and every check is host time the step pays again)."""
+    """``(dx, dvalues)`` as :func:`_spmm_backward_kernel`, and ``dy.sum(0)`` (the bias gradient)
+    third when ``bias_grad``, on inputs already checked (the eager layer's backward: its forward
+    checked them, and every check is host time the step pays again)."""
     backend = backends.resolve(dy.device, topo)
     dy, x, values = dy.contiguous(), x.contiguous(), values.contiguous()
     fused = getattr(backend, "spmm_backward", None)
@@ -154,45 +143,62 @@ def _backward_kernels(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTenso
     return (*grads, dy.sum(0)) if bias_grad else grads
 
 
-@torch.library.custom_op("snack::spmm_backward", mutates_args=())
-def _spmm_backward_op(
-    dy: Tensor, x: Tensor, values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, colptr: Tensor, csc_perm: Tensor
-) -> tuple[Tensor, Tensor]:
-    return _spmm_backward_kernel(dy, x, values, row, col, rowptr, colptr, csc_perm)
-
-
-for _op, _kernel in ((_spmm_op, _spmm_kernel), (_spmm_t_op, _spmm_t_kernel), (_sddmm_op, _sddmm_kernel)):
-    _op.register_kernel("cpu")(_kernel)
-    _op.register_kernel("cuda")(_kernel)
-
-
 # ---------------------------------------------------------------- fake (meta) kernels
 
 
-@_spmm_op.register_fake
-def _(x, values, row, col, rowptr, colptr, csc_perm):
+def _spmm_fake(x, values, row, col, rowptr, colptr, csc_perm):
     _check("spmm", x, values, TopologyTensors(row, col, rowptr, colptr, csc_perm))
     return x.new_empty(x.shape[0], rowptr.shape[0] - 1)
 
 
-@_spmm_t_op.register_fake
-def _(dy, values, row, col, rowptr, colptr, csc_perm):
+def _spmm_t_fake(dy, values, row, col, rowptr, colptr, csc_perm):
     _check("spmm_t", dy, values, TopologyTensors(row, col, rowptr, colptr, csc_perm))
     return dy.new_empty(dy.shape[0], colptr.shape[0] - 1)
 
 
-@_sddmm_op.register_fake
-def _(dy, x, row, col, rowptr, colptr, csc_perm):
+def _sddmm_fake(dy, x, row, col, rowptr, colptr, csc_perm):
     _check("sddmm", dy, x, TopologyTensors(row, col, rowptr, colptr, csc_perm))
     return dy.new_empty(row.shape[0])
 
 
-@_spmm_backward_op.register_fake
-def _(dy, x, values, row, col, rowptr, colptr, csc_perm):
+def _spmm_backward_fake(dy, x, values, row, col, rowptr, colptr, csc_perm):
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
     _check("spmm_t", dy, values, topo)
     _check("sddmm", dy, x, topo)
     return dy.new_empty(dy.shape[0], colptr.shape[0] - 1), dy.new_empty(row.shape[0])
+
+
+# ---------------------------------------------------------------- the ops in the dispatcher
+# Defined through torch.library's Library rather than @torch.library.custom_op, with an Autograd
+# kernel of our own (_register_autograd) and no device check in CPU kernels (_check): a custom_op
+# call runs four more Python frames (its per-device lookup, two wrappers keeping Dynamo out of the
+# kernel, a general autograd wrapper). A 64×64 forward and backward through snack.ops.spmm took
+# 111 µs with custom_op and 79 µs so (batch 32, one thread), and compiled graphs call the ops
+# (benchmarks/compile_overhead_mlp.txt). The kernels keep Dynamo out with the wrapper that imports
+# Dynamo when first called: importing it with snack would import Triton before a test can set
+# TRITON_INTERPRET (tests/test_ops.py). Same schemas, tags and fake kernels as before.
+
+_LIBRARY = torch.library.Library("snack", "FRAGMENT")
+_TOPOLOGY_ARGUMENTS = "Tensor row, Tensor col, Tensor rowptr, Tensor colptr, Tensor csc_perm"
+
+
+def _define(name: str, arguments: str, returns: str, kernel, fake) -> None:
+    """``snack::<name>(<arguments>, <topology>) -> <returns>`` with ``kernel`` for CPU and CUDA
+    tensors (``check_devices`` on CUDA only: see :func:`_check`) and ``fake`` for tracing
+    (FakeTensor, meta)."""
+    _LIBRARY.define(f"{name}({arguments}, {_TOPOLOGY_ARGUMENTS}) -> {returns}", tags=(torch.Tag.pt2_compliant_tag,))
+    for dispatch_key in ("CPU", "CUDA"):
+        device_kernel = functools.partial(kernel, check_devices=dispatch_key != "CPU")
+        _LIBRARY.impl(name, torch._disable_dynamo(device_kernel), dispatch_key)
+    torch.library.register_fake(f"snack::{name}", fake, lib=_LIBRARY)
+
+
+_define("spmm", "Tensor x, Tensor values", "Tensor", _spmm_kernel, _spmm_fake)
+_define("spmm_t", "Tensor dy, Tensor values", "Tensor", _spmm_t_kernel, _spmm_t_fake)
+_define("sddmm", "Tensor dy, Tensor x", "Tensor", _sddmm_kernel, _sddmm_fake)
+_define(
+    "spmm_backward", "Tensor dy, Tensor x, Tensor values", "(Tensor, Tensor)", _spmm_backward_kernel, _spmm_backward_fake
+)
 
 
 # ---------------------------------------------------------------- autograd
@@ -266,9 +272,43 @@ def _sddmm_backward(ctx, grad):
     return (ddy, dx, *_NO_TOPOLOGY_GRADS)
 
 
-_spmm_op.register_autograd(_spmm_backward, setup_context=_setup)
-_spmm_t_op.register_autograd(_spmm_t_backward, setup_context=_setup)
-_sddmm_op.register_autograd(_sddmm_backward, setup_context=_setup)
+def _register_autograd(name: str, backward) -> None:
+    """``snack::<name>``'s Autograd kernel: :func:`_setup` and ``backward`` in an autograd node
+    when a gradient is needed, else straight on to the device kernel.
+
+    What ``torch.library.register_autograd`` registers, less its generality (out= variants,
+    keyword-only arguments, argument defaults), which cost every call, a compiled graph's
+    included, about 4 µs here: the ops have none of those."""
+    op = getattr(torch.ops.snack, name).default
+    below_autograd = torch._C._after_autograd_keyset
+
+    # the keyset the op was called with comes last: needs_input_grad[0], [1] stay the inputs'
+    def forward(ctx, *inputs_and_keyset):
+        *inputs, keyset = inputs_and_keyset
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op.redispatch(keyset & below_autograd, *inputs)
+        _setup(ctx, inputs, output)
+        return output
+
+    def backward_with_keyset(ctx, grad):
+        return (*backward(ctx, grad), None)
+
+    # its grad_fn: SpmmBackward, SpmmTBackward, SddmmBackward
+    node = type(name.title().replace("_", ""), (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset),
+    })  # fmt: skip
+
+    def autograd_kernel(keyset, *inputs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
+            return node.apply(*inputs, keyset)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *inputs)
+
+    _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
+for _name, _backward in (("spmm", _spmm_backward), ("spmm_t", _spmm_t_backward), ("sddmm", _sddmm_backward)):
+    _register_autograd(_name, _backward)
 
 
 # ---------------------------------------------------------------- public functions
@@ -331,12 +371,12 @@ def _autocast_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 class _SparseLinearFunction(torch.autograd.Function):
     """Eager ``y = x·Wᵀ + b`` for ``x (B, in)`` → ``(B, out)``, calling the device kernels directly.
 
-    The custom ops' Python wrappers (``torch.library``) cost about 30 µs per call, 80 µs with
-    autograd, on this project's 2-core CPU: as much as a small layer's kernels, and most of the
-    step at 99% sparsity. This one autograd node runs the same backend kernels on inputs
-    :func:`sparse_linear` has checked, for a fraction of that (a 64×64 training step takes about
-    1.3× ``nn.Linear``'s, one thread: ``benchmarks/eager_overhead.txt``). Tracing (``torch.compile``) uses the custom ops, which have fake
-    implementations.
+    Through the custom ops' Python kernels (autograd's, then the device's) a forward and backward
+    of a 64×64 layer took about 80 µs on this project's 2-core CPU, one thread: more than its
+    kernels, and most of the step at 99% sparsity. This one autograd node runs the same backend
+    kernels on inputs :func:`sparse_linear` has checked, in about 55 µs (a 64×64 training step
+    takes about 1.3× ``nn.Linear``'s: ``benchmarks/eager_overhead.txt``). Tracing
+    (``torch.compile``) uses the custom ops, which have fake implementations.
     """
 
     # the old-style forward(ctx, ...): with a separate setup_context, apply() binds the arguments

@@ -144,6 +144,28 @@ def test_torch_compile_fullgraph_matches_eager(compiled_first):
         torch.testing.assert_close(got, expected)
 
 
+def test_a_model_compiled_before_its_first_call_makes_one_graph_without_breaks():
+    """Its first call derives the layers' index data in the graph (static shapes), then
+    recompiles once with them: before, a data-dependent count (bincount) broke the graph at every
+    sparse layer, and the model kept running as one graph per layer (a 256-wide MLP's inference
+    took 3x the eager time)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(10, 12), nn.ReLU(), nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 4, 2, padding=1))
+    model = snack.sparsify(dense, sparsity=0.6, init="random")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model)
+    x = torch.randn(5, 10)
+    for _ in range(3):
+        y = compiled(x)
+        y.square().sum().backward()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2  # the first call's, and the one with the index data
+    torch.testing.assert_close(y, model(x))
+
+
 def test_compiled_code_finds_the_index_data_of_every_rewire():
     """Built with each rewire, not in compiled code: deriving them there broke the graph at every
     layer, and after each DST update the layers' recompiles soon hit Dynamo's recompile limit

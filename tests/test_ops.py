@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -62,6 +64,36 @@ def test_opcheck(op, sparsity):
     first, second = {"spmm": (x, values), "spmm_t": (dy, values), "sddmm": (dy, x)}[op]
     args = (first.requires_grad_(), second.requires_grad_(), *topo.tensors())
     torch.library.opcheck(getattr(torch.ops.snack, op).default, args)
+
+
+def test_opcheck_spmm_backward():
+    """The fused backward op (no autograd of its own: backwards call it with grad mode off)."""
+    topo, values, x, dy = _case()
+    torch.library.opcheck(torch.ops.snack.spmm_backward.default, (dy, x, values, *topo.tensors()))
+    dx, dvalues = torch.ops.snack.spmm_backward(dy, x, values, *topo.tensors())
+    torch.testing.assert_close(dx, snack.ops.spmm_t(dy, values, topo), rtol=0, atol=1e-12)
+    torch.testing.assert_close(dvalues, snack.ops.sddmm(dy, x, topo), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm", "spmm_backward"])
+def test_the_ops_are_tagged_pt2_compliant(op):
+    assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.snack, op).default.tags
+
+
+def test_the_autograd_nodes_are_named_after_the_ops():
+    topo, values, x, dy = _case()
+    values.requires_grad_()
+    nodes = [type(getattr(snack.ops, op)(a, b, topo).grad_fn).__name__ for op, a, b in
+             (("spmm", x, values), ("spmm_t", dy, values), ("sddmm", dy, x.requires_grad_()))]  # fmt: skip
+    assert nodes == ["SpmmBackward", "SpmmTBackward", "SddmmBackward"]
+
+
+def test_importing_snack_imports_neither_dynamo_nor_triton():
+    """Triton reads TRITON_INTERPRET when it is imported, after which the tests' interpreter
+    runs fail; and either import costs every user's ``import snack`` seconds."""
+    code = "import sys, snack; print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_opcheck_empty_topology():
