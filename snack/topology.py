@@ -316,7 +316,7 @@ class Topology:
             converted.
     """
 
-    __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr", "_tensors")
+    __slots__ = ("row", "col", "shape", "_rowptr", "_csc_perm", "_colptr", "_tensors", "_built_by_no_grad_graph")
 
     def __init__(self, row: Tensor, col: Tensor, shape: tuple[int, int], *, validate: bool = True):
         shape = check_shape_pair(shape)
@@ -331,6 +331,7 @@ class Topology:
         self._csc_perm: Tensor | None = None
         self._colptr: Tensor | None = None
         self._tensors: TopologyTensors | None = None
+        self._built_by_no_grad_graph = False  # (tensors())
 
     @classmethod
     def with_index_data(
@@ -377,13 +378,27 @@ class Topology:
     def tensors(self) -> TopologyTensors:
         """All index tensors the sparse ops take, deriving the missing ones; on the CPU an empty
         ``csc_perm`` unless it was built (module docstring)."""
-        if self._tensors is None:  # built once: every layer call asks for them
+        # built once (every layer call asks for them), and again for autograd after compiled code
+        # built them without it (built_by_no_grad_graph)
+        if self._tensors is None or (self._built_by_no_grad_graph and torch.is_grad_enabled()):
+            if self._built_by_no_grad_graph:
+                self._rowptr = self._colptr = self._csc_perm = None
+            self._built_by_no_grad_graph = torch.compiler.is_compiling() and not torch.is_grad_enabled()
             if self._csc_perm is None and self.device.type == "cpu":
                 csc_perm = _outside_transient_modes(lambda: torch.empty(0, dtype=INDEX_DTYPE, device=self.device))
             else:
                 csc_perm = self.csc_perm
             self._tensors = TopologyTensors(self.row, self.col, self.rowptr, self.colptr, csc_perm)
         return self._tensors
+
+    @property
+    def built_by_no_grad_graph(self) -> bool:
+        """Whether compiled code without autograd derived :meth:`tensors`: perhaps under
+        ``torch.inference_mode``, where a graph's outputs are inference tensors, which a training
+        step cannot save for its backward. (Dynamo can trace neither the mode nor
+        ``Tensor.is_inference()``: grad mode stands for both.) :meth:`tensors` derives them again
+        for autograd."""
+        return self._built_by_no_grad_graph
 
     def to(self, device: torch.device | str) -> Topology:
         """The same coordinates on ``device`` (derived data is recomputed there on demand)."""

@@ -586,6 +586,22 @@ def test_tracing_compiling_and_autocast_follow_the_im2col_path():
     torch.testing.assert_close(low.float(), expected, atol=0.1, rtol=0.05)
 
 
+def test_a_compiled_model_follows_the_image_size():
+    """A second image size makes Dynamo recompile with the sizes symbolic: Inductor failed
+    (ValueRangeError) to lay out a channels-last view of the rows' product as the graph's output."""
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Conv2d(4, 6, 3), nn.ReLU(), nn.Conv2d(6, 6, 3, groups=2)),
+                           sparsity=0.6, init="random")  # fmt: skip
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for size in (8, 10, 7):
+        x = torch.randn(2, 4, size, size)
+        y = compiled(x)
+        y.square().sum().backward()
+        torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
+        assert y.shape == (2, 6, size - 4, size - 4)
+
+
 def test_per_sample_gradients_by_torch_func():
     layer = snack.SparseConv2d(2, 3, 3, sparsity=0.5, dtype=torch.float64)
     params = {"values": layer.values.detach(), "bias": layer.bias.detach()}

@@ -166,6 +166,29 @@ def test_a_model_compiled_before_its_first_call_makes_one_graph_without_breaks()
     torch.testing.assert_close(y, model(x))
 
 
+@pytest.mark.parametrize("kind", ["mlp", "grouped conv"])
+def test_a_model_compiled_and_first_called_in_inference_mode_then_trains(kind):
+    """(A sanity validation run before training, as Lightning does under inference_mode.) The
+    first compiled call derives the index data (and a grouped convolution's unfolded columns) in
+    its graph, whose outputs are inference tensors there: the compiled training step, saving them
+    for its backward, failed."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        dense, x = nn.Sequential(nn.Linear(10, 12), nn.ReLU(), nn.Linear(12, 3)), torch.randn(5, 10)
+    else:
+        dense = nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.ReLU(), nn.Conv2d(6, 6, 3, groups=6))
+        x = torch.randn(2, 4, 8, 8)
+    model = snack.sparsify(dense, sparsity=0.6, init="random")
+    compiled = torch.compile(model)
+    with torch.inference_mode():
+        expected = compiled(x)
+    y = compiled(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(y, model(x))
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_compiled_code_finds_the_index_data_of_every_rewire():
     """Built with each rewire, not in compiled code: deriving them there broke the graph at every
     layer, and after each DST update the layers' recompiles soon hit Dynamo's recompile limit

@@ -209,9 +209,13 @@ class _SparseConvolution(_SparseConvNd):
     def _through_rows(self, x: Tensor, linear) -> Tensor:
         """The convolution of padded ``x`` by im2col: its rows through ``linear`` (rows →
         ``(rows, out_channels)``), back to ``(N, out_channels, *output sizes)`` (in channels-last
-        memory order: no copy)."""
+        memory order, no copy; contiguous in compiled code)."""
         rows, sizes = self._im2col(x)
-        return linear(rows).view(*sizes, self.out_features).movedim(-1, 1)
+        y = linear(rows).view(*sizes, self.out_features).movedim(-1, 1)
+        # Compiled code lays the output out as nn.Conv2d's (Inductor fuses the copy into the bias
+        # add): with the image size symbolic (a model called with a second size) it failed to lay
+        # out this channels-last view as a graph output (ValueRangeError in its size analysis).
+        return y.contiguous() if torch.compiler.is_compiling() else y
 
     def _fx_root_forward(self, input):
         col = self.col if self.groups == 1 else self._unfolded_col(self.row, self.col)

@@ -121,8 +121,10 @@ class _SparseConvNd(SparseLinear):
         if tracing.program_tracing():  # the program derives it from the row/col it holds, as the topology itself
             return tracing.traced_topology(topology.row, self._unfolded_col(topology.row, topology.col), shape)
         cached = self._unfolded_cache
+        # (not one a graph made without autograd: Topology.built_by_no_grad_graph)
         if cached is not None and cached[0] is topology:
-            return cached[1]
+            if not (cached[1].built_by_no_grad_graph and torch.is_grad_enabled()):
+                return cached[1]
         col = _outside_transient_modes(lambda: self._unfolded_col(topology.row, topology.col))
         unfolded = Topology(topology.row, col, shape, validate=False)  # sorted and unique as topology's
         # its index data now, as the layer's own topology has them: compiled code must find them
