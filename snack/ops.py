@@ -272,9 +272,9 @@ def _sddmm_backward(ctx, grad):
     return (ddy, dx, *_NO_TOPOLOGY_GRADS)
 
 
-def _register_autograd(name: str, backward) -> None:
-    """``snack::<name>``'s Autograd kernel: :func:`_setup` and ``backward`` in an autograd node
-    when a gradient is needed, else straight on to the device kernel.
+def _register_autograd(name: str, backward, setup=_setup) -> None:
+    """``snack::<name>``'s Autograd kernel: ``setup`` and ``backward`` in an autograd node when a
+    gradient is needed, else straight on to the device kernel.
 
     What ``torch.library.register_autograd`` registers, less its generality (out= variants,
     keyword-only arguments, argument defaults), which cost every call, a compiled graph's
@@ -287,13 +287,13 @@ def _register_autograd(name: str, backward) -> None:
         *inputs, keyset = inputs_and_keyset
         with torch._C._AutoDispatchBelowAutograd():
             output = op.redispatch(keyset & below_autograd, *inputs)
-        _setup(ctx, inputs, output)
+        setup(ctx, inputs, output)
         return output
 
-    def backward_with_keyset(ctx, grad):
-        return (*backward(ctx, grad), None)
+    def backward_with_keyset(ctx, *grads):
+        return (*backward(ctx, *grads), None)
 
-    # its grad_fn: SpmmBackward, SpmmTBackward, SddmmBackward
+    # its grad_fn: SpmmBackward, SpmmTBackward, SddmmBackward, SpmmBackwardBackward
     node = type(name.title().replace("_", ""), (torch.autograd.Function,), {
         "forward": staticmethod(forward), "backward": staticmethod(backward_with_keyset),
     })  # fmt: skip
@@ -307,8 +307,18 @@ def _register_autograd(name: str, backward) -> None:
     _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
 
 
+def _spmm_backward_backward(ctx, *grads):
+    raise RuntimeError(
+        "snack::spmm_backward is not differentiable: for gradients of gradients, differentiate snack.ops.spmm_t and "
+        "snack.ops.sddmm (what a backward with create_graph=True runs)"
+    )
+
+
 for _name, _backward in (("spmm", _spmm_backward), ("spmm_t", _spmm_t_backward), ("sddmm", _sddmm_backward)):
     _register_autograd(_name, _backward)
+# (the backwards call it with grad mode off; differentiated, it raises, as a custom_op without a
+# formula does, rather than let the dispatcher's fallback give no gradient with a warning)
+_register_autograd("spmm_backward", _spmm_backward_backward, setup=lambda ctx, inputs, output: None)
 
 
 # ---------------------------------------------------------------- public functions

@@ -75,6 +75,14 @@ def test_opcheck_spmm_backward():
     torch.testing.assert_close(dvalues, snack.ops.sddmm(dy, x, topo), rtol=0, atol=1e-12)
 
 
+def test_differentiating_spmm_backward_raises_instead_of_giving_no_gradient():
+    topo, values, x, dy = _case()
+    dx, dvalues = torch.ops.snack.spmm_backward(dy, x.requires_grad_(), values, *topo.tensors())
+    with pytest.raises(RuntimeError, match="spmm_backward is not differentiable: .* differentiate snack.ops.spmm_t"):
+        (dx.sum() + dvalues.sum()).backward()
+    assert x.grad is None
+
+
 @pytest.mark.parametrize("op", ["spmm", "spmm_t", "sddmm", "spmm_backward"])
 def test_the_ops_are_tagged_pt2_compliant(op):
     assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.snack, op).default.tags
