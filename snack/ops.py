@@ -123,11 +123,16 @@ def _spmm_backward_kernel(
     backend's ``spmm_backward`` (one pass over the weight where that pays) when it has one, else
     from its two kernels."""
     topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
-    _check("spmm_t", dy, values, topo, check_devices=check_devices)
-    _check("sddmm", dy, x, topo, check_devices=False)  # x's device: checked below
-    if check_devices and x.device != dy.device:
-        raise ValueError(f"snack.spmm_backward: all tensors must be on one device, got {dy.device} and {x.device}")
+    _check_backward(dy, x, values, topo, check_devices=check_devices)
     return _backward_kernels(dy, x, values, topo, bias_grad=False)
+
+
+def _check_backward(
+    dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, check_devices: bool = True
+) -> None:
+    """:func:`_check` for ``snack::spmm_backward``'s inputs (its real and fake kernels)."""
+    _check("spmm_t", dy, values, topo, check_devices=check_devices)
+    _check("sddmm", dy, x, topo, check_devices=check_devices)
 
 
 def _backward_kernels(dy: Tensor, x: Tensor, values: Tensor, topo: TopologyTensors, *, bias_grad: bool) -> tuple[Tensor, ...]:
@@ -162,9 +167,7 @@ def _sddmm_fake(dy, x, row, col, rowptr, colptr, csc_perm):
 
 
 def _spmm_backward_fake(dy, x, values, row, col, rowptr, colptr, csc_perm):
-    topo = TopologyTensors(row, col, rowptr, colptr, csc_perm)
-    _check("spmm_t", dy, values, topo)
-    _check("sddmm", dy, x, topo)
+    _check_backward(dy, x, values, TopologyTensors(row, col, rowptr, colptr, csc_perm))
     return dy.new_empty(dy.shape[0], colptr.shape[0] - 1), dy.new_empty(row.shape[0])
 
 

@@ -331,7 +331,7 @@ class Topology:
         self._csc_perm: Tensor | None = None
         self._colptr: Tensor | None = None
         self._tensors: TopologyTensors | None = None
-        self._built_by_no_grad_graph = False  # (tensors())
+        self._built_by_no_grad_graph = False  # see built_by_no_grad_graph
 
     @classmethod
     def with_index_data(
