@@ -7,6 +7,7 @@ has its whole gradient formed at once).
 """
 
 from snack import dst, ops
+from snack.averaging import AveragedModel, align_topology
 from snack.backends import available_backends, use_backend
 from snack.nn import (
     SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
@@ -17,6 +18,7 @@ from snack.topology import Topology
 __version__ = "0.1.0"
 
 __all__ = [
+    "AveragedModel",
     "SparseConv1d",
     "SparseConv2d",
     "SparseConv3d",
@@ -25,6 +27,7 @@ __all__ = [
     "SparseConvTranspose3d",
     "SparseLinear",
     "Topology",
+    "align_topology",
     "available_backends",
     "densify",
     "dst",

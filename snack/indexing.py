@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "flat_nonzero", "inactive_positions", "merge_connections", "native_for", "positions_where", "segment_pointer",
-    "take_or_fill",
+    "flat_nonzero", "inactive_positions", "matching_positions", "merge_connections", "native_for", "positions_where",
+    "segment_pointer", "take_or_fill",
 ]
 
 
@@ -152,6 +152,26 @@ def merge_connections(
     new_col = col.new_empty(grown.shape).index_copy_(0, kept_slots, kept_col).index_copy_(0, grown_slots, grown_col)
     src = grow.new_full(grown.shape, -1).index_copy_(0, kept_slots, kept)
     return new_row, new_col, src, grown_slots
+
+
+def matching_positions(row: Tensor, col: Tensor, other_row: Tensor, other_col: Tensor) -> Tensor:
+    """``(m,)`` int64: where each connection of the ``(m,)`` int32 topology ``other_row``/``other_col``
+    lies in the ``(n,)`` int32 topology ``row``/``col``, or ``-1`` where that holds no such
+    connection. Both sorted by ``(row, col)`` and unique (topologies': not checked, other input
+    gives wrong positions). What an averaged copy's values carry over to the model's topology
+    (:func:`snack.align_topology`), as :func:`take_or_fill`'s ``src``."""
+    if native_for(row, col, other_row, other_col):
+        return torch.ops.snack_cpu.matching_positions(row, col, other_row, other_col)
+    keys, wanted = _ordered_keys(row, col), _ordered_keys(other_row, other_col)
+    if keys.numel() == 0:
+        return wanted.new_full(wanted.shape, -1)
+    at = torch.searchsorted(keys, wanted).clamp_(max=keys.numel() - 1)
+    return torch.where(keys.index_select(0, at) == wanted, at, -1)
+
+
+def _ordered_keys(row: Tensor, col: Tensor) -> Tensor:
+    """``(n,)`` int64 keys in the order of ``(row, col)`` for any int32 coordinates."""
+    return row.to(torch.int64) * 2**32 + (col.to(torch.int64) & 0xFFFFFFFF)
 
 
 def take_or_fill(values: Tensor, src: Tensor, fill: float) -> Tensor:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from snack import indexing
 from snack.backends.cpu import native  # noqa: F401  (builds and loads the kernels)
 from snack.indexing import (
-    flat_nonzero, inactive_positions, merge_connections, positions_where, segment_pointer, take_or_fill,
+    flat_nonzero, inactive_positions, matching_positions, merge_connections, positions_where, segment_pointer,
+    take_or_fill,
 )
 
 CHUNK = 1 << 16  # index_ops.cpp's kMinChunk
@@ -225,6 +226,7 @@ def test_native_segment_pointer_refuses_entries_out_of_range(bad):
         ("merge_connections", (torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.ones(2, dtype=torch.bool),
                                torch.zeros(0, dtype=torch.int64), 1, 1)),
         ("take_or_fill", (torch.zeros(3), torch.zeros(2, dtype=torch.int32), 0.0)),
+        ("matching_positions", (torch.zeros(2, dtype=torch.int32),) * 3 + (torch.zeros(2, dtype=torch.int64),)),
     ],
 )
 def test_native_ops_name_the_argument_they_refuse(op, args):
@@ -334,6 +336,39 @@ def test_take_or_fill_refuses_src_out_of_range(path, bad, at, dtype):
     src[[at, min(at + 3, 3 * CHUNK - 1)]] = bad
     with pytest.raises(IndexError, match=rf"src\[{at}\] = {bad} is outside \[-1, 7\)"):
         take_or_fill(torch.zeros(7, dtype=dtype), src, 0.0)
+
+
+def _coordinates(linear: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (linear // in_features).to(torch.int32), (linear % in_features).to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "shape, density, drop_fraction, grow_fraction",
+    [
+        ((1, 1), 0.0, 0.0, 1.0),  # from nothing
+        ((3, 5), 1.0, 1.0, 0.0),  # to nothing
+        ((3, 5), 1.0, 0.0, 0.0),  # the same topology
+        ((17, 64), 0.5, 0.3, 0.2),
+        ((4096, 128), 0.5, 0.3, 0.05),  # 262144 connections: four chunks
+        ((300, 1000), 0.9, 0.01, 0.5),  # the new ones crowd into few chunks
+        ((5, 200_000), 0.1, 0.9, 0.001),  # few connections left in a long old list
+        ((2, 2**31 - 1), None, None, None),  # the widest layer: keys beyond 32 bits (positions below)
+    ],
+)
+def test_matching_positions_find_each_connection_in_the_other_topology(path, shape, density, drop_fraction,
+                                                                       grow_fraction):
+    if density is None:
+        wide = 2**31 - 1
+        linear, new_linear = torch.tensor([0, 5, wide - 1, wide + 3]), torch.tensor([1, 5, wide - 1, wide, wide + 3])
+    else:
+        _, _, keep, grow, linear = _rewiring(shape, density, drop_fraction, grow_fraction, seed=sum(shape))
+        new_linear = torch.cat([linear[keep], grow]).sort().values
+    row, col = _coordinates(linear, shape[1])
+    new_row, new_col = _coordinates(new_linear, shape[1])
+    src = matching_positions(row, col, new_row, new_col)
+    assert src.dtype == torch.int64 and src.shape == new_linear.shape
+    where = {position: i for i, position in enumerate(linear.tolist())}
+    assert src.tolist() == [where.get(position, -1) for position in new_linear.tolist()]
 
 
 def test_the_torch_calls_run_inside_fake_tensor_mode_and_compiled_code():

@@ -52,6 +52,26 @@ def test_dynamic_sparse_training_example():
     assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
 
 
+def test_weight_averaging_example_follows_the_rewires():
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
+    model = snack.sparsify(nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)), 0.8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.RigL(model, opt, update_every=2, total_steps=len(data), stop_fraction=1.0)
+    namespace = {"snack": snack, "model": model, "opt": opt, "dst": dst, "data": data,
+                 "loss_fn": nn.functional.cross_entropy}
+    first = model[0].indices()
+    exec(_block("from torch.optim.swa_utils import get_ema_multi_avg_fn"), namespace)
+    assert not torch.equal(model[0].indices(), first), "RigL rewired"
+    ema = namespace["ema"]
+    assert int(ema.n_averaged) == len(data)
+    for averaged, layer in zip(ema.module, model):
+        if isinstance(layer, snack.SparseLinear):
+            assert torch.equal(averaged.row, layer.row) and torch.equal(averaged.col, layer.col)
+            assert not torch.equal(averaged.values, layer.values)  # an average, not a copy
+    ema.eval()(torch.randn(3, 16))
+
+
 def test_resume_example_continues_bitwise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # it saves run.pt
     save, *load = _block("torch.save({\"model\"").strip().splitlines()

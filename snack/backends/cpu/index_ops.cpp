@@ -18,6 +18,11 @@
 //       r * in + c, increasing) merged in row-major order, n = kept + k; src[i] is new connection
 //       i's old position (-1 for a grown one), slots[j] where grow[j] went. A grow position that a
 //       kept connection holds raises ValueError.
+//   matching_positions (row, col (n,) int32, other_row, other_col (m,) int32) -> (m,) int64
+//       for two topologies (each sorted by (row, col), unique): where each connection of the other
+//       one lies in the first, or -1 where it holds no such connection. A merge: O(n + m) reads in
+//       order (searchsorted of linear positions took 30 ms for the 1.7M connections of a 4096²
+//       layer at 90%: an averaged copy aligned after every rewire, snack.averaging)
 //   take_or_fill (values (m,) any dtype, src (n,) int64, fill) -> (n,)
 //       values[src[i]], or fill where src[i] is -1: a parameter or its optimizer state carried over
 //       to a rewiring's new connections
@@ -394,6 +399,44 @@ Merged merge_connections(const at::Tensor& row_in, const at::Tensor& col_in, con
   return {new_row, new_col, src, slots};
 }
 
+at::Tensor matching_positions(const at::Tensor& row_in, const at::Tensor& col_in, const at::Tensor& other_row_in,
+                              const at::Tensor& other_col_in) {
+  check_vector("matching_positions", "row", row_in, at::kInt);
+  check_vector("matching_positions", "col", col_in, at::kInt);
+  check_vector("matching_positions", "other_row", other_row_in, at::kInt);
+  check_vector("matching_positions", "other_col", other_col_in, at::kInt);
+  TORCH_CHECK(col_in.numel() == row_in.numel() && other_col_in.numel() == other_row_in.numel(),
+              "snack_cpu.matching_positions: each topology's row and col must have one length, got ", row_in.numel(),
+              ", ", col_in.numel(), " and ", other_row_in.numel(), ", ", other_col_in.numel());
+  const at::Tensor row_t = row_in.contiguous(), col_t = col_in.contiguous();
+  const at::Tensor other_row_t = other_row_in.contiguous(), other_col_t = other_col_in.contiguous();
+  const int32_t *row = row_t.const_data_ptr<int32_t>(), *col = col_t.const_data_ptr<int32_t>();
+  const int32_t *other_row = other_row_t.const_data_ptr<int32_t>(), *other_col = other_col_t.const_data_ptr<int32_t>();
+  const int64_t n = row_t.numel(), m = other_row_t.numel();
+  at::Tensor out = at::empty({m}, row_t.options().dtype(at::kLong));
+  int64_t* out_p = out.mutable_data_ptr<int64_t>();
+  // (row, col) as one key in their order (a product, not a shift: defined for any row)
+  auto key = [](const int32_t* r, const int32_t* c, int64_t i) {
+    return int64_t{r[i]} * (int64_t{1} << 32) + static_cast<uint32_t>(c[i]);
+  };
+  const int64_t chunks = chunk_count(m);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t q0 = m * c / chunks, q1 = m * (c + 1) / chunks;
+      if (q0 == q1) continue;
+      // the chunk starts where its first connection would lie, then walks on with it
+      const int64_t first = key(other_row, other_col, q0);
+      int64_t p = first_false(0, n, [&](int64_t j) { return key(row, col, j) < first; });
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t wanted = key(other_row, other_col, q);
+        while (p < n && key(row, col, p) < wanted) ++p;
+        out_p[q] = p < n && key(row, col, p) == wanted ? p : -1;
+      }
+    }
+  });
+  return out;
+}
+
 // first ? a : b without a branch. GCC compiles the plain conditional (of addresses or of the
 // values read there) to a branch, which in take_or_fill mispredicted at every scattered new
 // connection: 7.4 ns per entry on one thread with 30% of them new, against 5 ns with this.
@@ -521,6 +564,7 @@ TORCH_LIBRARY_FRAGMENT(snack_cpu, m) {
   m.def(
       "merge_connections(Tensor row, Tensor col, Tensor keep, Tensor grow, int out_features, int in_features) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("matching_positions(Tensor row, Tensor col, Tensor other_row, Tensor other_col) -> Tensor");
   m.def("take_or_fill(Tensor values, Tensor src, Scalar fill) -> Tensor");
 }
 
@@ -530,5 +574,6 @@ TORCH_LIBRARY_IMPL(snack_cpu, CPU, m) {
   m.impl("inactive_positions", &inactive_positions);
   m.impl("segment_pointer", &segment_pointer);
   m.impl("merge_connections", &merge_connections);
+  m.impl("matching_positions", &matching_positions);
   m.impl("take_or_fill", &take_or_fill);
 }
