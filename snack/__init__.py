@@ -17,6 +17,17 @@ from snack.topology import Topology
 
 __version__ = "0.1.0"
 
+
+def onnx_translations() -> dict:
+    """The ``custom_translation_table`` that lets ``torch.onnx.export(model, args, dynamo=True,
+    custom_translation_table=snack.onnx_translations())`` write sparse layers with standard ONNX
+    operators (their connections only, never a dense weight): see :mod:`snack.onnx_export`.
+    Needs ``onnxscript`` (the extra ``snack[onnx]``), imported here, not by ``import snack``."""
+    from snack.onnx_export import translations
+
+    return translations()
+
+
 __all__ = [
     "AveragedModel",
     "SparseConv1d",
@@ -31,6 +42,7 @@ __all__ = [
     "available_backends",
     "densify",
     "dst",
+    "onnx_translations",
     "ops",
     "sparsify",
     "use_backend",

@@ -72,6 +72,19 @@ def test_weight_averaging_example_follows_the_rewires():
     ema.eval()(torch.randn(3, 16))
 
 
+def test_onnx_export_example_writes_a_file_onnx_runtime_runs(tmp_path, monkeypatch):
+    import onnxruntime
+
+    monkeypatch.chdir(tmp_path)  # it saves model.onnx
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10)), 0.9)
+    exec(_block("program = torch.onnx.export("), {"torch": torch, "snack": snack, "model": model})
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"))
+    x = torch.randn(4, 784)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_resume_example_continues_bitwise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # it saves run.pt
     save, *load = _block("torch.save({\"model\"").strip().splitlines()

@@ -1,0 +1,113 @@
+"""snack.onnx_translations: models with sparse layers exported by torch.onnx.export and run by
+ONNX Runtime give snack's own results, at another batch size than exported, from files that hold
+no dense weight."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import onnxruntime as ort  # the extra snack[onnx], in snack[dev]
+import pytest
+import torch
+from torch import nn
+
+import snack
+
+
+def _export(model: nn.Module, example: torch.Tensor):
+    """The ONNX model of ``model`` (eval mode), with the batch dimension dynamic."""
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    dims = {0: batch} if example.dim() > 1 else None
+    program = torch.onnx.export(
+        model.eval(), (example,), dynamo=True, custom_translation_table=snack.onnx_translations(),
+        dynamic_shapes=(dims,), verbose=False,
+    )
+    return program.model_proto
+
+
+def _run(proto, x: torch.Tensor) -> np.ndarray:
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _without_connections(layer: snack.SparseLinear) -> snack.SparseLinear:
+    empty = torch.zeros(0, dtype=torch.int64)
+    layer.set_topology(empty, empty)
+    return layer
+
+
+def _with_empty_rows_and_columns(out_features: int, in_features: int) -> snack.SparseLinear:
+    weight = torch.randn(out_features, in_features) * (torch.rand(out_features, in_features) < 0.3)
+    weight[::3] = 0
+    weight[:, 1::4] = 0
+    return snack.SparseLinear.from_dense(weight, bias=torch.randn(out_features))
+
+
+MODELS = {
+    "mlp": lambda: (
+        nn.Sequential(
+            snack.SparseLinear(13, 31, sparsity=0.8), nn.ReLU(), _with_empty_rows_and_columns(17, 31), nn.Tanh(),
+            _without_connections(snack.SparseLinear(17, 5)), nn.ReLU(), snack.SparseLinear(5, 7, sparsity=0.0),
+            snack.SparseLinear(7, 3, bias=False, sparsity=0.5),
+        ),
+        (13,),
+    ),
+    "conv2d": lambda: (
+        nn.Sequential(
+            snack.SparseConv2d(3, 8, 3, padding=1, sparsity=0.7), nn.ReLU(),
+            snack.SparseConv2d(8, 6, 3, stride=2, groups=2, bias=False, sparsity=0.6),
+        ),
+        (3, 9, 11),
+    ),
+    "conv1d": lambda: (snack.SparseConv1d(4, 6, 5, padding=2, dilation=2, sparsity=0.8), (4, 23)),
+    "depthwise": lambda: (snack.SparseConv2d(4, 4, 3, padding=1, groups=4, sparsity=0.5), (4, 6, 5)),
+    "conv3d": lambda: (snack.SparseConv3d(2, 4, 3, padding=1, sparsity=0.7), (2, 5, 4, 6)),
+    "conv_transpose3d": lambda: (snack.SparseConvTranspose3d(2, 3, 2, stride=2, sparsity=0.5), (2, 3, 2, 4)),
+    "conv_transpose2d": lambda: (snack.SparseConvTranspose2d(5, 3, 4, stride=2, padding=1, sparsity=0.7), (5, 6, 7)),
+    "conv_transpose1d": lambda: (snack.SparseConvTranspose1d(4, 2, 3, stride=3, sparsity=0.5), (4, 9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_onnx_runtime_gives_snacks_results_at_any_batch(name):
+    torch.manual_seed(0)
+    model, sample_shape = MODELS[name]()
+    proto = _export(model, torch.randn(3, *sample_shape))
+    for batch in (1, 5):
+        x = torch.randn(batch, *sample_shape)
+        with torch.no_grad():
+            expected = model(x)
+        np.testing.assert_allclose(_run(proto, x), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_file_holds_the_connections_not_a_dense_weight():
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(300, 200, sparsity=0.95)
+    proto = _export(nn.Sequential(layer), torch.randn(2, 300))
+    largest = max(int(np.prod(tensor.dims)) for tensor in proto.graph.initializer)
+    assert largest < 200 * 300 // 4, f"an initializer of {largest} elements"
+
+
+def test_an_infinite_input_reaches_only_the_rows_connected_to_it():
+    """The padded rows read an appended zero column, not a real one: inf · 0 would be NaN."""
+    layer = snack.SparseLinear.from_coo(
+        torch.tensor([0, 0, 1, 2]), torch.tensor([0, 2, 1, 1]), torch.tensor([1.0, 2.0, 3.0, 4.0]), shape=(3, 3)
+    )
+    proto = _export(nn.Sequential(layer), torch.randn(2, 3))
+    x = torch.tensor([[float("inf"), 1.0, 1.0]])
+    out = _run(proto, x)
+    with torch.no_grad():
+        expected = layer(x).numpy()
+    assert np.isinf(out[0, 0]) and np.isfinite(out[0, 1:]).all()
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_without_onnxscript_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # import onnxscript raises ImportError
+    monkeypatch.delitem(sys.modules, "snack.onnx_export", raising=False)
+    with pytest.raises(ImportError, match=r"pip install onnx onnxscript, or the extra snack\[onnx\]"):
+        snack.onnx_translations()
+    monkeypatch.undo()
+    importlib.import_module("snack.onnx_export")  # importable again
