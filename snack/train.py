@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of init, data order and DST (default: 0)")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="use only this many training examples (quick runs)")
+    parser.add_argument("--ema", type=_decay, default=None, metavar="DECAY",
+                        help="also keep an exponential moving average of the weights with this decay (e.g. 0.999; "
+                             "snack.AveragedModel, which follows every rewire) and report its held-out accuracy")
     parser.add_argument("--compare", action="store_true", help="also train dense and Dense+Mask models and print a table")
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -105,6 +108,13 @@ def _nonnegative(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _decay(text: str) -> float:
+    value = _number(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
     return value
 
 
@@ -224,14 +234,17 @@ class Result:
     peak_state_bytes: int  # the same, at most, after any step that changed the topology (or the first)
     steps: int
     topology_updates: int
+    ema_accuracy: float | None = None  # of the moving average (--ema)
+    ema_bytes: int = 0  # its weights, buffers and index data
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of parameters, buffers (masks), the sparse layers' index data (including what is
     derived from it and cached) and optimizer state tensors; each tensor once."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for m in model.modules() if isinstance(m, snack.SparseLinear) for t in m.index_tensors()]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
     unique = {id(t): t for t in tensors}.values()  # row and col are buffers and index tensors
     return sum(t.numel() * t.element_size() for t in unique)
 
@@ -246,7 +259,8 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
 
 class _Run:
     """One model being trained: AdamW (fused: one multi-tensor pass per step) with a cosine
-    learning-rate decay, optional DST, and the wall time of each of its steps."""
+    learning-rate decay, optional DST, an optional moving average of its weights, and the wall
+    time of each of its steps (the average's update included)."""
 
     def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, algorithm: str | None, total_steps: int):
         self.name, self.model = name, model
@@ -275,6 +289,10 @@ class _Run:
                     update_every=args.update_every, total_steps=total_steps, stop_fraction=DST_STOP_FRACTION,
                     seed=args.seed,
                 )
+        self.ema = None
+        if args.ema is not None:  # use_buffers: the CNN's BatchNorm statistics are averaged too
+            decay = torch.optim.swa_utils.get_ema_multi_avg_fn(args.ema)
+            self.ema = snack.AveragedModel(model, multi_avg_fn=decay, use_buffers=True)
         self.step_seconds: list[float] = []
         self.updates = 0
         self.peak_state_bytes = 0
@@ -288,6 +306,8 @@ class _Run:
         self.scheduler.step()
         changed = self.dst is not None and self.dst.step()
         self.updates += changed
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         if x.is_cuda:  # the step's kernels are queued, not done: time them too
             torch.cuda.synchronize(x.device)
         self.step_seconds.append(time.perf_counter() - start)
@@ -339,6 +359,8 @@ def train_models(
             peak_state_bytes=max(final, run.peak_state_bytes),
             steps=total_steps,
             topology_updates=run.updates,
+            ema_accuracy=accuracy(run.ema.module, data.x_test, data.y_test) if run.ema is not None else None,
+            ema_bytes=state_bytes(run.ema.module, None) if run.ema is not None else 0,
         ))
     return results
 
@@ -420,6 +442,9 @@ def run(args: argparse.Namespace) -> int:
         + (f" (at most {main.peak_state_bytes / 2**20:.2f} MiB while training)"
            if main.peak_state_bytes > main.state_bytes else "")
     )
+    if main.ema_accuracy is not None:
+        print(f"{label}, moving average (decay {args.ema}): held-out accuracy {main.ema_accuracy:.4f}, "
+              f"{main.ema_bytes / 2**20:.2f} MiB more")
     if args.algorithm in ("granet", "mest"):  # granet's pruned, mest's back to its targets
         print(f"{args.algorithm}'s densities at the end: {_densities(layers)}")
     # one process trains every model: its peak is theirs together, with the data and torch itself
@@ -463,10 +488,13 @@ def _shape(layer: snack.SparseLinear) -> str:
 
 
 def _table(results: list[Result]) -> str:
+    ema = results[0].ema_accuracy is not None
     header = "| model | held-out accuracy | ms/step (median) | train time (s) | weights+optimizer (MiB) |"
-    lines = [header, "|---|---:|---:|---:|---:|"]
+    header += " moving average's accuracy |" if ema else ""
+    lines = [header, "|---|---:|---:|---:|---:|" + ("---:|" if ema else "")]
     for r in results:
         lines.append(
             f"| {r.name} | {r.accuracy:.4f} | {r.ms_per_step:.1f} | {r.train_seconds:.1f} | {r.state_bytes / 2**20:.2f} |"
+            + (f" {r.ema_accuracy:.4f} |" if ema else "")
         )
     return "\n".join(lines)

@@ -229,6 +229,16 @@ def test_a_model_that_is_not_a_copy_is_refused_and_nothing_changes():
         snack.align_topology({}, model)
 
 
+def test_sharded_layers_are_refused(monkeypatch):
+    """FSDP shards values across ranks; an averaged copy of them is not supported (a DTensor
+    cannot be made on one process here: the check is what is tested)."""
+    model = _model()
+    averaged = snack.AveragedModel(model)
+    monkeypatch.setattr(snack.averaging, "is_sharded", lambda values: values is model[3].values)
+    with pytest.raises(NotImplementedError, match="sparse layer 3 holds sharded values"):
+        snack.align_topology(averaged.module, model)
+
+
 def _a_free_position(layer: snack.SparseLinear) -> torch.Tensor:
     held = set((layer.row.long() * layer.in_features + layer.col.long()).tolist())
     return torch.tensor([next(p for p in range(layer.out_features * layer.in_features) if p not in held)])

@@ -82,6 +82,20 @@ def test_onnx_runtime_gives_snacks_results_at_any_batch(name):
         np.testing.assert_allclose(_run(proto, x), expected.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float16, 2e-3)])
+def test_other_dtypes_run_in_theirs(dtype, tolerance):
+    """(bfloat16 exports too, but ONNX Runtime's CPU MatMul has no bfloat16 kernel, for a dense
+    layer's export either.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(snack.SparseLinear(16, 24, sparsity=0.7), nn.ReLU(), snack.SparseLinear(24, 8)).to(dtype)
+    proto = _export(model, torch.randn(3, 16, dtype=dtype))
+    x = torch.randn(4, 16, dtype=dtype)
+    out = _run(proto, x)
+    assert out.dtype == x.numpy().dtype
+    with torch.no_grad():
+        np.testing.assert_allclose(out, model(x).numpy(), rtol=tolerance, atol=tolerance)
+
+
 def test_the_file_holds_the_connections_not_a_dense_weight():
     torch.manual_seed(0)
     layer = snack.SparseLinear(300, 200, sparsity=0.95)

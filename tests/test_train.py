@@ -25,11 +25,27 @@ def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
     assert all(float(r.split("|")[2]) > 0.3 for r in rows[1:])
 
 
+def test_snack_train_keeps_a_moving_average_that_follows_the_rewires(capsys):
+    code = cli.main(
+        ["train", "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
+         "--update-every", "5", "--lr", "1e-2", "--no-progress", "--compare", "--ema", "0.9"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    found = re.search(r"rigl 90%, moving average \(decay 0\.9\): held-out accuracy (\d\.\d+), (\d\.\d+) MiB more", out)
+    assert float(found.group(1)) > 0.3  # chance is 0.1; the model itself got 0.47-0.60 at this setting
+    assert float(found.group(2)) > 0
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0].endswith("| moving average's accuracy |")
+    assert all(float(r.split("|")[6]) > 0.3 for r in rows[1:])
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [("--epochs", "0"), ("--sparsity", "1.0"), ("--drop-fraction", "2"), ("--lr", "-1"), ("--lr", "inf"),
      ("--lr", "nan"), ("--seed", "-1"), ("--seed", str(2**64)), ("--width", "x"), ("--limit", "0"),
-     ("--extra-fraction", "-1"), ("--extra-fraction", "inf")],
+     ("--extra-fraction", "-1"), ("--extra-fraction", "inf"), ("--ema", "1"), ("--ema", "0"), ("--ema", "x")],
 )  # fmt: skip
 def test_snack_train_rejects_bad_options(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, as snack bench gives
