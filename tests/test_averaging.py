@@ -300,3 +300,24 @@ def test_an_ema_follows_rigl_and_update_bn_and_the_state_dict_work():
     ema.eval(), restored.eval()
     x = torch.randn(5, 10)
     torch.testing.assert_close(restored(x), ema(x))
+
+
+def test_a_compiled_average_follows_the_rewires():
+    torch.manual_seed(0)
+    model = _model(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.SET(model, optimizer, update_every=1, total_steps=10, drop_fraction=0.5)
+    averaged = snack.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    compiled = torch.compile(averaged.module, backend="eager")
+    x = torch.randn(4, 9)
+    for _ in range(3):
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert dst.step()
+        averaged.update_parameters(model)
+        averaged.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), averaged.module(x))
+        assert torch.equal(averaged.module[0].row, model[0].row)
