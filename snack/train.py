@@ -10,9 +10,10 @@ MEST grows at random up to ``--extra-fraction`` above each layer's connections b
 ``--compare`` trains the same architecture dense (``nn.Linear``, ``nn.Conv2d``) and as
 Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
 initial weights as the sparse model) with identical data order, and prints a side-by-side table.
-The models train in lockstep on the same batches, so timing noise from a shared machine hits all
-of them alike. ``--device cuda`` trains on a GPU (the Triton kernels); each timed step then
-waits for the GPU to finish.
+``--ema DECAY`` also keeps a moving average of each model's weights (``snack.AveragedModel``,
+which follows the rewires) and reports its held-out accuracy. The models train in lockstep on
+the same batches, so timing noise from a shared machine hits all of them alike. ``--device
+cuda`` trains on a GPU (the Triton kernels); each timed step then waits for the GPU to finish.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class Result:
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of parameters, buffers (masks), the sparse layers' index data (including what is
-    derived from it and cached) and optimizer state tensors; each tensor once."""
+    derived from it and cached) and ``optimizer``'s state tensors (if given); each tensor once."""
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for m in model.modules() if isinstance(m, snack.SparseLinear) for t in m.index_tensors()]
     if optimizer is not None:
