@@ -15,9 +15,9 @@ never a dense weight, and an ONNX runtime computes with its connections only:
   of the gathered inputs. No scatter: ONNX Runtime's ``ScatterElements`` with ``reduction="add"``
   took 455 ms at batch 32 for a 4096² layer at 90%, this 29-32 ms (one ad-hoc run of each, and
   ``benchmarks/onnx_runtime.txt``; summing a ``(B, out, K)`` product instead took 138 ms there).
-- ``spmm_t`` (``dX[B, in] = dY[B, out] · W``, the forward of a transposed convolution) as a
-  gather, a product and a ``ScatterElements`` add: its columns are not sorted, which the padded
-  layout needs.
+- ``spmm_t`` (``dX[B, in] = dY[B, out] · W``, the forward of a transposed convolution) the same
+  way with the transposed weight: the connections sorted by ``(col, row)`` (``TopK`` of unique
+  keys, also folded at load) are its rows.
 - ``topology_index_data`` as placeholders of its outputs' sizes: the translations above derive
   what they need from ``row``/``col``, and the exporter drops the unused placeholders.
 
@@ -61,8 +61,24 @@ def _zeros_int32(length: int):
 
 
 def _spmm(x, values, row, col, rowptr, colptr, csc_perm):
-    """``(B, out)``: ``x (B, in)`` times the transposed sparse weight, by padded rows."""
+    """``(B, out)``: ``x (B, in)`` times the transposed sparse weight."""
+    return _padded_product(x, values, row, col, op.Sub(op.Shape(rowptr), _ints(1)))
+
+
+def _spmm_t(dy, values, row, col, rowptr, colptr, csc_perm):
+    """``(B, in)``: ``dy (B, out)`` times the sparse weight: the product with the transposed
+    weight, whose connections are these sorted by ``(col, row)`` (a sort of unique keys)."""
     out_features = op.Sub(op.Shape(rowptr), _ints(1))
+    int64 = onnxscript.INT64.dtype
+    keys = op.Add(op.Mul(op.Cast(col, to=int64), out_features), op.Cast(row, to=int64))
+    _, order = op.TopK(keys, op.Shape(keys), largest=0, sorted=1)
+    transposed = (op.Gather(values, order), op.Gather(col, order), op.Gather(row, order))
+    return _padded_product(dy, *transposed, op.Sub(op.Shape(colptr), _ints(1)))
+
+
+def _padded_product(x, values, row, col, out_features):
+    """``(B, out)``: ``x (B, in)`` times the transposed ``(out, in)`` weight of the connections
+    ``row``/``col``/``values`` (sorted by ``(row, col)``), by padded rows. ``out_features``: ``(1,)``."""
     in_features = op.Shape(x, start=1, end=2)
     columns, padded_values = _padded_rows(row, col, values, out_features, padding_column=in_features)
     with_zero_column = op.Concat(x, _zeros_like(x, op.Concat(op.Shape(x, start=0, end=1), _ints(1), axis=0)), axis=1)
@@ -75,7 +91,7 @@ def _padded_rows(row, col, values, out_features, padding_column):
     """``(out, K)`` int32 columns (``padding_column`` where a row has fewer than ``K``) and
     values (0 there) of the connections, row by row in their order, ``K`` the longest row's count.
     ``out_features``, ``padding_column``: ``(1,)`` int64."""
-    row64 = op.Cast(row, to=onnxscript.INT64.dtype)
+    row64 = op.Cast(row, to=onnxscript.INT64.dtype)  # (ScatterND takes int64 positions only)
     nnz = op.Shape(row)
     ones = op.Expand(_ints(1), nnz)
     counts = op.ScatterElements(op.Expand(_ints(0), out_features), row64, ones, axis=0, reduction="add")  # (out,)
@@ -88,15 +104,6 @@ def _padded_rows(row, col, values, out_features, padding_column):
     columns = op.ScatterND(op.Expand(op.Cast(padding_column, to=onnxscript.INT32.dtype), shape), where, col)
     padded_values = op.ScatterND(_zeros_like(values, shape), where, values)
     return columns, padded_values
-
-
-def _spmm_t(dy, values, row, col, rowptr, colptr, csc_perm):
-    """``(B, in)``: ``dy (B, out)`` times the sparse weight, each product added at its column."""
-    products = op.Mul(op.Gather(dy, row, axis=1), values)  # (B, nnz)
-    in_features = op.Sub(op.Shape(colptr), _ints(1))
-    zeros = _zeros_like(dy, op.Concat(op.Shape(dy, start=0, end=1), in_features, axis=0))
-    columns = op.Expand(op.Unsqueeze(col, _ints(0)), op.Shape(products))
-    return op.ScatterElements(zeros, columns, products, axis=1, reduction="add")
 
 
 def _ints(*values: int):
