@@ -62,24 +62,29 @@ def _zeros_int32(length: int):
 
 def _spmm(x, values, row, col, rowptr, colptr, csc_perm):
     """``(B, out)``: ``x (B, in)`` times the transposed sparse weight."""
-    return _padded_product(x, values, row, col, op.Sub(op.Shape(rowptr), _ints(1)))
+    return _padded_product(x, values, row, col, _static_length(rowptr) - 1)
 
 
 def _spmm_t(dy, values, row, col, rowptr, colptr, csc_perm):
     """``(B, in)``: ``dy (B, out)`` times the sparse weight: the product with the transposed
     weight, whose connections are these sorted by ``(col, row)`` (a sort of unique keys)."""
-    out_features = op.Sub(op.Shape(rowptr), _ints(1))
     int64 = onnxscript.INT64.dtype
-    keys = op.Add(op.Mul(op.Cast(col, to=int64), out_features), op.Cast(row, to=int64))
+    keys = op.Add(op.Mul(op.Cast(col, to=int64), _ints(_static_length(rowptr) - 1)), op.Cast(row, to=int64))
     _, order = op.TopK(keys, op.Shape(keys), largest=0, sorted=1)
     transposed = (op.Gather(values, order), op.Gather(col, order), op.Gather(row, order))
-    return _padded_product(dy, *transposed, op.Sub(op.Shape(colptr), _ints(1)))
+    return _padded_product(dy, *transposed, _static_length(colptr) - 1)
 
 
-def _padded_product(x, values, row, col, out_features):
+def _static_length(pointer) -> int:
+    """The length of a pointer array (``out + 1`` or ``in + 1``): known when the program is
+    exported, as the layer's shape is."""
+    return int(pointer.shape[0])
+
+
+def _padded_product(x, values, row, col, out_features: int):
     """``(B, out)``: ``x (B, in)`` times the transposed ``(out, in)`` weight of the connections
-    ``row``/``col``/``values`` (sorted by ``(row, col)``), by padded rows. ``out_features``: ``(1,)``."""
-    in_features = op.Shape(x, start=1, end=2)
+    ``row``/``col``/``values`` (sorted by ``(row, col)``), by padded rows."""
+    in_features = int(x.shape[1])  # (static: the layer's width)
     columns, padded_values = _padded_rows(row, col, values, out_features, padding_column=in_features)
     with_zero_column = op.Concat(x, _zeros_like(x, op.Concat(op.Shape(x, start=0, end=1), _ints(1), axis=0)), axis=1)
     gathered = op.Gather(op.Transpose(with_zero_column, perm=[1, 0]), columns, axis=0)  # (out, K, B)
@@ -87,28 +92,47 @@ def _padded_product(x, values, row, col, out_features):
     return op.Transpose(op.Squeeze(products, _ints(1)), perm=[1, 0])
 
 
-def _padded_rows(row, col, values, out_features, padding_column):
+def _padded_rows(row, col, values, out_features: int, padding_column: int):
     """``(out, K)`` int32 columns (``padding_column`` where a row has fewer than ``K``) and
     values (0 there) of the connections, row by row in their order, ``K`` the longest row's count.
-    ``out_features``, ``padding_column``: ``(1,)`` int64."""
-    row64 = op.Cast(row, to=onnxscript.INT64.dtype)  # (ScatterND takes int64 positions only)
-    nnz = op.Shape(row)
-    ones = op.Expand(_ints(1), nnz)
-    counts = op.ScatterElements(op.Expand(_ints(0), out_features), row64, ones, axis=0, reduction="add")  # (out,)
+
+    Index arithmetic in int32, as ``row``/``col`` are (``out · K ≤ out · in`` fits, checked), so
+    that what the exporter folds into the file from them (it does for small layers) is no larger."""
+    if out_features * (padding_column + 1) >= 2**31:
+        raise ValueError(
+            f"snack.onnx_translations: a {out_features}×{padding_column} layer has more positions than int32 indexes"
+        )
+    int32 = onnxscript.INT32.dtype
+    nnz = op.Shape(row)  # (1,) int64
+    ones = op.Expand(_int32s(1), nnz)
+    counts = op.ScatterElements(_zeros_int32(out_features), row, ones, axis=0, reduction="add")  # (out,)
     # a connection's slot in its row: its position minus its row's first (rows are sorted)
     starts = op.CumSum(counts, _int(0), exclusive=1)
-    slots = op.Sub(op.Range(_int(0), op.Squeeze(nnz, _ints(0)), _int(1)), op.Gather(starts, row64))
-    longest = op.ReduceMax(op.Concat(counts, _ints(0), axis=0), keepdims=1)  # (the 0: a layer without connections)
-    shape = op.Concat(out_features, longest, axis=0)
-    where = op.Concat(op.Unsqueeze(row64, _ints(1)), op.Unsqueeze(slots, _ints(1)), axis=1)  # (nnz, 2)
-    columns = op.ScatterND(op.Expand(op.Cast(padding_column, to=onnxscript.INT32.dtype), shape), where, col)
-    padded_values = op.ScatterND(_zeros_like(values, shape), where, values)
-    return columns, padded_values
+    positions = op.Range(_int32(0), op.Cast(op.Squeeze(nnz, _ints(0)), to=int32), _int32(1))
+    slots = op.Sub(positions, op.Gather(starts, row))
+    longest = op.ReduceMax(op.Concat(counts, _int32s(0), axis=0), keepdims=1)  # (the 0: a layer without connections)
+    flat = op.Add(op.Mul(row, longest), slots)  # (nnz,) int32: row · K + slot
+    size = op.Mul(_ints(out_features), op.Cast(longest, to=onnxscript.INT64.dtype))  # (1,) int64: out · K
+    shape = op.Concat(_ints(out_features), op.Cast(longest, to=onnxscript.INT64.dtype), axis=0)
+    columns = op.ScatterElements(op.Expand(_int32s(padding_column), size), flat, col, axis=0)
+    padded_values = op.ScatterElements(_zeros_like(values, size), flat, values, axis=0)
+    # (allowzero: K is 0 for a layer without connections, not "keep that dimension")
+    return op.Reshape(columns, shape, allowzero=1), op.Reshape(padded_values, shape, allowzero=1)
 
 
 def _ints(*values: int):
     """A 1-D int64 constant (shapes, axes)."""
     return op.Constant(value_ints=list(values))
+
+
+def _int32s(*values: int):
+    """A 1-D int32 constant (index arithmetic)."""
+    return op.Constant(value=onnxscript.ir.tensor(np.array(values, dtype=np.int32)))
+
+
+def _int32(value: int):
+    """A scalar int32 constant."""
+    return op.Constant(value=onnxscript.ir.tensor(np.array(value, dtype=np.int32)))
 
 
 def _int(value: int):

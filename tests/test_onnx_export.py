@@ -121,6 +121,12 @@ def test_an_infinite_input_reaches_only_the_rows_connected_to_it():
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
+def test_a_layer_with_more_positions_than_int32_indexes_is_refused():
+    layer = snack.SparseLinear(50_000, 50_000, sparsity=0.99999)  # 2.5e9 positions, 25,000 connections
+    with pytest.raises(Exception, match="a 50000×50000 layer has more positions than int32 indexes"):
+        _export(nn.Sequential(layer), torch.randn(2, 50_000))
+
+
 def test_without_onnxscript_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxscript", None)  # import onnxscript raises ImportError
     monkeypatch.delitem(sys.modules, "snack.onnx_export", raising=False)
