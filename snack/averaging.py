@@ -65,7 +65,7 @@ def align_topology(averaged: nn.Module, model: nn.Module) -> None:
         if new is not None:
             layer._commit_topology(new)
     for layer, source in pairs:
-        _ALIGNED[layer] = (*_stamp(layer), *_stamp(source))
+        _ALIGNED[layer] = _stamp(layer, source)
 
 
 def _sparse_layer_pairs(averaged: nn.Module, model: nn.Module) -> list[tuple[SparseLinear, SparseLinear]]:
@@ -94,21 +94,24 @@ def _sparse_layer_pairs(averaged: nn.Module, model: nn.Module) -> list[tuple[Spa
     return [(layer, source) for (_, layer), source in zip(named, sources)]
 
 
-def _stamp(layer: SparseLinear) -> tuple:
-    # weak references: the record must not keep a rewired-away topology alive
-    row, col = layer.row, layer.col
-    return weakref.ref(row), weakref.ref(col), _version(row), _version(col)
+def _coordinates(layer: SparseLinear, source: SparseLinear) -> tuple[Tensor, ...]:
+    return layer.row, layer.col, source.row, source.col
+
+
+def _stamp(layer: SparseLinear, source: SparseLinear) -> tuple:
+    """``(weak reference, version)`` of each of the pair's ``row``/``col`` (weak: the record must
+    not keep a rewired-away topology alive)."""
+    return tuple((weakref.ref(t), _version(t)) for t in _coordinates(layer, source))
 
 
 def _seen_aligned(layer: SparseLinear, source: SparseLinear) -> bool:
-    """Whether both layers hold the very tensors, unchanged in place, they held when last aligned."""
+    """Whether both layers hold the very tensors, unchanged in place, they held when last aligned
+    (never for inference tensors, which have no version counter)."""
     seen = _ALIGNED.get(layer)
-    if seen is None:
-        return False
-    now = (layer.row, layer.col, source.row, source.col)
-    same_tensors = all(ref() is tensor for ref, tensor in zip(seen[0:2] + seen[4:6], now))
-    versions = seen[2:4] + seen[6:8]
-    return same_tensors and None not in versions and versions == tuple(_version(t) for t in now)
+    return seen is not None and all(
+        ref() is tensor and version is not None and version == _version(tensor)
+        for (ref, version), tensor in zip(seen, _coordinates(layer, source))
+    )
 
 
 def _aligned(layer: SparseLinear, source: SparseLinear) -> _NewTopology | None:

@@ -112,8 +112,9 @@ def _padded_rows(row, col, values, out_features: int, padding_column: int):
     slots = op.Sub(positions, op.Gather(starts, row))
     longest = op.ReduceMax(op.Concat(counts, _int32s(0), axis=0), keepdims=1)  # (the 0: a layer without connections)
     flat = op.Add(op.Mul(row, longest), slots)  # (nnz,) int32: row · K + slot
-    size = op.Mul(_ints(out_features), op.Cast(longest, to=onnxscript.INT64.dtype))  # (1,) int64: out · K
-    shape = op.Concat(_ints(out_features), op.Cast(longest, to=onnxscript.INT64.dtype), axis=0)
+    longest64 = op.Cast(longest, to=onnxscript.INT64.dtype)
+    size = op.Mul(_ints(out_features), longest64)  # (1,) int64: out · K
+    shape = op.Concat(_ints(out_features), longest64, axis=0)
     columns = op.ScatterElements(op.Expand(_int32s(padding_column), size), flat, col, axis=0)
     padded_values = op.ScatterElements(_zeros_like(values, size), flat, values, axis=0)
     # (allowzero: K is 0 for a layer without connections, not "keep that dimension")

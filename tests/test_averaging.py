@@ -73,7 +73,7 @@ class DenseOracle:
 
     def step(self, layers, n_averaged: int) -> None:
         weights = [layer.to_dense().detach() for layer in layers]
-        masks = [w_mask(layer) for layer in layers]
+        masks = [_connection_mask(layer) for layer in layers]
         if self.averages is None:
             self.averages = weights
         else:
@@ -87,7 +87,8 @@ class DenseOracle:
         self.masks = masks
 
 
-def w_mask(layer: snack.SparseLinear) -> torch.Tensor:
+def _connection_mask(layer: snack.SparseLinear) -> torch.Tensor:
+    """``(out, in)`` bool: where the layer holds a connection (the test's dense oracle)."""
     mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool)
     mask[layer.row.long(), layer.col.long()] = True
     return mask
@@ -146,7 +147,7 @@ def test_without_rewires_it_averages_as_torchs_averaged_model(update, use_buffer
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     arguments, _ = UPDATES[update]
-    ours, torchs = snack.AveragedModel(model, use_buffers=use_buffers, **arguments()), None
+    ours = snack.AveragedModel(model, use_buffers=use_buffers, **arguments())
     torchs = TorchAveragedModel(model, use_buffers=use_buffers, **arguments())
     for _ in range(5):
         _train_step(model, optimizer)
