@@ -67,6 +67,11 @@ MODELS = {
     "conv_transpose3d": lambda: (snack.SparseConvTranspose3d(2, 3, 2, stride=2, sparsity=0.5), (2, 3, 2, 4)),
     "conv_transpose2d": lambda: (snack.SparseConvTranspose2d(5, 3, 4, stride=2, padding=1, sparsity=0.7), (5, 6, 7)),
     "conv_transpose1d": lambda: (snack.SparseConvTranspose1d(4, 2, 3, stride=3, sparsity=0.5), (4, 9)),
+    "transformer": lambda: (  # SparseMultiheadAttention: its projections, then scaled_dot_product_attention
+        snack.sparsify(nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                             enable_nested_tensor=False), 0.7),
+        (5, 16),
+    ),  # fmt: skip
     "conv_transpose_without_connections": lambda: (
         nn.Sequential(_without_connections(snack.SparseConvTranspose2d(3, 2, 3, padding=1)), nn.ReLU()), (3, 5, 4),
     ),

@@ -33,6 +33,9 @@ def test_quick_start(tmp_path, monkeypatch):
     assert layer.nnz == 20_070 and layer.values.grad.shape == (20_070,)  # the comments' figures
     assert namespace["image"].shape == (8, 3, 64, 64) and namespace["volume"].shape == (2, 16, 16, 16, 16)
     assert namespace["larger"].shape == (2, 4, 32, 32, 32)
+    assert namespace["attended"].shape == (4, 10, 256) and namespace["weights"].shape == (4, 10, 10)
+    attention = namespace["encoder"].layers[1].self_attn
+    assert isinstance(attention, snack.SparseMultiheadAttention) and attention.q_proj.sparsity == pytest.approx(0.9, abs=1e-4)
     loaded = torch.load(tmp_path / "sparse.pt")
     assert loaded.keys() == model.state_dict().keys()
 

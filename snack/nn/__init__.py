@@ -2,18 +2,21 @@
 :class:`SparseConv2d` for ``nn.Conv2d``, :class:`SparseConv1d` for ``nn.Conv1d``,
 :class:`SparseConv3d` for ``nn.Conv3d``,
 :class:`SparseConvTranspose2d`, :class:`SparseConvTranspose1d` and :class:`SparseConvTranspose3d`
-for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``, and
+for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``,
+:class:`SparseMultiheadAttention` for ``nn.MultiheadAttention`` (its projections sparse), and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
-``layer`` holds the linear layer, ``conv`` the convolution (``conv_base`` what it shares with
-``conv_transpose``, the transposed one; ``conv_rows`` its im2col training node, ``conv1d`` and
-``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and ``conv_transpose3d`` the 3-D ones,
-``plane`` how those compute with the 2-D kernels), ``convert`` the model conversion,
-``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and ``torch.export`` call for a
-layer, ``locking`` the lock that keeps rewires atomic for forwards in other threads.
+``layer`` holds the linear layer, ``attention`` the attention, ``conv`` the convolution
+(``conv_base`` what it shares with ``conv_transpose``, the transposed one; ``conv_rows`` its im2col
+training node, ``conv1d`` and ``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and
+``conv_transpose3d`` the 3-D ones, ``plane`` how those compute with the 2-D kernels), ``convert``
+the model conversion, ``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and
+``torch.export`` call for a layer, ``locking`` the lock that keeps rewires atomic for forwards in
+other threads.
 """
 
 from snack.nn import tracing
+from snack.nn.attention import SparseMultiheadAttention
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
 from snack.nn.conv3d import SparseConv3d
@@ -25,7 +28,7 @@ from snack.nn.layer import SparseLinear
 
 __all__ = [
     "SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConvTranspose1d", "SparseConvTranspose2d",
-    "SparseConvTranspose3d", "SparseLinear", "densify", "sparsify",
+    "SparseConvTranspose3d", "SparseLinear", "SparseMultiheadAttention", "densify", "sparsify",
 ]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
@@ -37,6 +40,7 @@ SparseConv3d.__module__ = __name__
 SparseConvTranspose2d.__module__ = __name__
 SparseConvTranspose1d.__module__ = __name__
 SparseConvTranspose3d.__module__ = __name__
+SparseMultiheadAttention.__module__ = __name__
 
 # Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls
 # by their module and name (the old ones from here).

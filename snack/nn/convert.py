@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
+from snack.nn.attention import PROJECTIONS, SparseMultiheadAttention, dense_projections
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
 from snack.nn.conv3d import SparseConv3d
@@ -130,31 +131,55 @@ class _LeftDense(NamedTuple):
     tied: list[str]  # whose parameters another module holds too
 
 
+class _Chosen(NamedTuple):
+    """What ``sparsify`` converts: ``layers`` ``{first name: (module, all its names, weight (out, in),
+    bias)}`` and ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}``."""
+
+    layers: dict[str, tuple[nn.Module, list[str], Tensor, Tensor | None]]
+    attentions: dict[str, tuple[nn.MultiheadAttention, list[str]]]
+
+
 def _choose_layers(
     modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None
-) -> tuple[dict, _LeftDense]:
-    """The layers to convert, ``{first name: (module, all its names, weight (out, in), bias)}``,
-    and the selected linear layers left dense."""
-    targets, left_dense = {}, _LeftDense([], [], [], [])
+) -> tuple[_Chosen, _LeftDense]:
+    """The layers and attentions to convert, and the selected ones left dense."""
+    chosen, left_dense = _Chosen({}, {}), _LeftDense([], [], [], [])
     owners = _parameter_owners(modules)
+    attention_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
     for child, names in modules.values():
+        if any(_inside(name, attention_names) for name in names):
+            continue
+        if isinstance(child, nn.MultiheadAttention):
+            attention_names.extend(names)
         if not _selected(names, include, exclude):
             continue
         shown = names[0] or "(root)"
-        if (wb := _dense_weight_and_bias(child)) is not None:
+        if type(child) is nn.MultiheadAttention:
+            parameters = list(child.parameters())
+        elif (wb := _dense_weight_and_bias(child)) is not None:
             parameters = [p for p in child._parameters.values() if p is not None]
-            shared_with = sorted({other for p in parameters for other in owners[id(p)] if other not in names})
-            if child._forward_pre_hooks:
-                left_dense.hooked.append(shown)
-            elif shared_with:
-                left_dense.tied.append(f"{shown} (with {', '.join(shared_with)})")
-            else:
-                targets[names[0]] = (child, names, *wb)
-        elif isinstance(child, nn.Linear):
+        elif isinstance(child, (nn.Linear, nn.MultiheadAttention)):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
-        elif isinstance(child, nn.modules.conv._ConvNd):
-            left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
-    return targets, left_dense
+            continue
+        else:
+            if isinstance(child, nn.modules.conv._ConvNd):
+                left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
+            continue
+        held_elsewhere = {other for p in parameters for other in owners[id(p)] if not _inside(other, names)}
+        if child._forward_pre_hooks:
+            left_dense.hooked.append(shown)
+        elif held_elsewhere:
+            left_dense.tied.append(f"{shown} (with {', '.join(sorted(held_elsewhere))})")
+        elif isinstance(child, nn.MultiheadAttention):
+            chosen.attentions[names[0]] = (child, names)
+        else:
+            chosen.layers[names[0]] = (child, names, *wb)
+    return chosen, left_dense
+
+
+def _inside(name: str, prefixes: list[str]) -> bool:
+    """Whether the module ``name`` is one of ``prefixes`` or inside one (``""`` is the root)."""
+    return any(name == p or p == "" or name.startswith(p + ".") for p in prefixes)
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
@@ -169,9 +194,10 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
         )
     if subclassed:
         warnings.warn(
-            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear dense: {', '.join(subclassed)}. Their owners "
-            "may read .weight (nn.MultiheadAttention's out_proj does) or their forward may differ; convert one "
-            "deliberately with SparseLinear.from_dense, or exclude it to silence this warning.",
+            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear or nn.MultiheadAttention dense: "
+            f"{', '.join(subclassed)}. Their owners may read .weight or their forward may differ; convert one "
+            "deliberately with SparseLinear.from_dense or SparseMultiheadAttention.from_dense, or exclude it to "
+            "silence this warning.",
             stacklevel=3,
         )
     if hooked:
@@ -199,7 +225,9 @@ def sparsify(
     init: str = "magnitude",
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
-    :class:`SparseLinear`, and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
+    :class:`SparseLinear`, its ``nn.MultiheadAttention`` modules with
+    :class:`SparseMultiheadAttention` (whose four projections count as four layers for
+    ``distribution``), and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
     ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d`` layers with
     :class:`SparseConv2d`, :class:`SparseConv1d`, :class:`SparseConv3d`,
     :class:`SparseConvTranspose2d`, :class:`SparseConvTranspose1d` and
@@ -232,32 +260,66 @@ def sparsify(
     depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
     large ones (README, *A CIFAR MobileNetV2*). Subclasses of the converted convolutions stay
     dense, with a warning.
-    Subclasses of ``nn.Linear`` stay dense, with a warning: their owners may read ``.weight``
-    (``nn.MultiheadAttention``'s ``out_proj`` does) and their ``forward`` may differ; convert one
-    deliberately with :meth:`SparseLinear.from_dense`.
+    Subclasses of ``nn.Linear`` and ``nn.MultiheadAttention`` stay dense, with a warning: their
+    owners may read ``.weight`` and their ``forward`` may differ; convert one deliberately with
+    :meth:`SparseLinear.from_dense` or :meth:`SparseMultiheadAttention.from_dense`. An attention's
+    ``out_proj`` is converted with it, never alone (the attention reads its ``.weight``). An
+    ``nn.TransformerEncoder`` some of whose layers are converted gets ``use_nested_tensor = False``
+    (its fast path reads the dense weights).
     """
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
     modules = _modules_by_identity(module)
-    targets, left_dense = _choose_layers(modules, include, exclude)
+    chosen, left_dense = _choose_layers(modules, include, exclude)
     _warn_about_layers_left_dense(left_dense)
-    _warn_about_what_sparsify_missed(modules, include, exclude, targets)
-    on_meta = [name for name, (_, _, weight, _) in targets.items() if weight.device.type == "meta"]
+    _warn_about_what_sparsify_missed(modules, include, exclude, chosen)
+    shapes = _weight_shapes(chosen)
+    on_meta = [name for name, (_, _, weight, _) in chosen.layers.items() if weight.device.type == "meta"]
+    on_meta += [name for name, (child, _) in chosen.attentions.items() if child.out_proj.weight.device.type == "meta"]
     if on_meta and init == "magnitude":
         raise NotImplementedError(
             f"sparsify: layers {', '.join(map(repr, on_meta))} are on the meta device, whose weights hold no values "
             "to keep the largest of: pass init='random' (to_empty() and reset_parameters() then draw each layer's "
             "topology), or sparsify after materialising the model"
         )
-    shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in targets.items()}
     per_layer = layer_sparsities(shapes, sparsity, distribution)
     converted = {}
-    for name, (child, names, weight, bias) in targets.items():
+    for name, (child, names, weight, bias) in chosen.layers.items():
         layer = _sparse_layer(child, weight, bias, per_layer[name], init)
         _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
         converted.update(dict.fromkeys(names, layer))
+    for name, (child, names) in chosen.attentions.items():
+        sparsities = {projection: per_layer[f"{name}.{projection}"] for projection in PROJECTIONS}
+        if init == "magnitude":
+            attention = SparseMultiheadAttention.from_dense(child, sparsity=sparsities)
+        else:
+            attention = SparseMultiheadAttention._random_like(child, sparsities)
+        converted.update(dict.fromkeys(names, attention))
+    _turn_off_nested_tensor_fast_paths(modules, converted)
     return _install(module, converted)
+
+
+def _weight_shapes(chosen: _Chosen) -> dict[str, tuple[int, ...]]:
+    """``{name: weight shape}`` of every weight ``sparsify`` converts, for the distributions: an
+    attention's as its four projections ``{name}.q_proj``, ... (``nn.MultiheadAttention`` packs the
+    first three: ERK weighs each apart, as the sparse layers that hold them)."""
+    shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in chosen.layers.items()}
+    for name, (child, _) in chosen.attentions.items():
+        for projection, (weight, _) in dense_projections(child).items():
+            shapes[f"{name}.{projection}"] = tuple(weight.shape)
+    return shapes
+
+
+def _turn_off_nested_tensor_fast_paths(modules: dict[int, tuple[nn.Module, list[str]]], converted: dict) -> None:
+    """Set ``use_nested_tensor = False`` on each ``nn.TransformerEncoder`` some of whose layers'
+    modules are converted: its fast path reads the first layer's dense weights, and the
+    constructor sets that flag False for layers it cannot take (as these now are)."""
+    for child, names in modules.values():
+        if isinstance(child, nn.TransformerEncoder) and any(
+            _inside(converted_name, [f"{n}.layers" if n else "layers" for n in names]) for converted_name in converted
+        ):
+            child.use_nested_tensor = False
 
 
 def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsity: float, init: str) -> SparseLinear:
@@ -277,11 +339,13 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
 
 
 def _warn_about_what_sparsify_missed(
-    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None, targets: dict
+    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None,
+    chosen: _Chosen,
 ) -> None:
     """Warn where a sparsify call is likely not what its caller meant: a pattern that names no
     module (``"fc*"`` for ``"0.fc"``), nothing to convert (e.g. a second call meant to raise the
-    sparsity), and layers of PyTorch's transformer layers, whose fast path reads ``.weight``."""
+    sparsity), and layers of PyTorch's encoder layers whose attention stays dense: the layer's fast
+    path, which reads ``.weight``, then stays on (a sparse attention turns it off)."""
     names = [name for _, all_names in modules.values() for name in all_names if name]
     for option, patterns in (("include", include), ("exclude", exclude)):
         for pattern in patterns or ():
@@ -291,7 +355,7 @@ def _warn_about_what_sparsify_missed(
                     f"{', '.join(repr(n) for n in names[:3])}; patterns match whole qualified names)",
                     stacklevel=3,
                 )
-    if not targets:
+    if not chosen.layers and not chosen.attentions:
         sparse = sum(isinstance(child, SparseLinear) for child, _ in modules.values())
         already = (
             f"; its {sparse} SparseLinear layer(s) keep their sparsity (snack.dst.GradualPruning prunes further)"
@@ -299,41 +363,59 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         warnings.warn(
-            "sparsify converted no layer: the model holds no nn.Linear or 1-D or 2-D (transposed) convolution"
+            "sparsify converted no layer: the model holds no nn.Linear, nn.MultiheadAttention or 1-, 2- or 3-D "
+            "(transposed) convolution"
             f"{selected} that it may convert{already}",
             stacklevel=3,
         )
     by_name = {name: child for child, all_names in modules.values() for name in all_names}
-    transformer_layers = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-    in_transformer_layers = [
-        name for name, (_, layer_names, _, _) in targets.items()
-        if any(isinstance(by_name[n.rpartition(".")[0]], transformer_layers) for n in layer_names if n)
+    converted_attentions = {id(child) for child, _ in chosen.attentions.values()}
+    in_fast_path_layers = [
+        name for name, (_, layer_names, _, _) in chosen.layers.items()
+        if any(_in_dense_attention_encoder_layer(by_name[n.rpartition(".")[0]], converted_attentions)
+               for n in layer_names if n)
     ]  # fmt: skip
-    if in_transformer_layers:
+    if in_fast_path_layers:
         warnings.warn(
-            "sparsify converted layers of nn.TransformerEncoderLayer/DecoderLayer "
-            f"({', '.join(in_transformer_layers)}): "
+            "sparsify converted layers of nn.TransformerEncoderLayer whose self_attn stays a dense "
+            f"nn.MultiheadAttention ({', '.join(in_fast_path_layers)}): "
             "in eval mode their fast path reads linear1.weight, which a SparseLinear does not have; call "
-            "torch.backends.mha.set_fastpath_enabled(False) before evaluating",
+            "torch.backends.mha.set_fastpath_enabled(False) before evaluating, or convert self_attn too",
             stacklevel=3,
         )
+
+
+def _in_dense_attention_encoder_layer(parent: nn.Module, converted_attentions: set[int]) -> bool:
+    """Whether ``parent`` is an encoder layer whose fused fast path stays on: its ``self_attn`` is
+    a dense ``nn.MultiheadAttention`` (a converted one turns the fast path off)."""
+    return (
+        isinstance(parent, nn.TransformerEncoderLayer)
+        and isinstance(parent.self_attn, nn.MultiheadAttention)
+        and id(parent.self_attn) not in converted_attentions
+    )
 
 
 def densify(module: nn.Module) -> nn.Module:
     """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
     every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
-    ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``),
+    ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``, every
+    :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``),
     in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
-    converted = {}
+    converted, attention_names = {}, []
     for child, names in _modules_by_identity(module).values():
-        if isinstance(child, SparseLinear):
+        if any(_inside(name, attention_names) for name in names):
+            continue  # a projection of an attention converted whole
+        if isinstance(child, SparseMultiheadAttention):
+            attention_names.extend(names)
+            converted.update(dict.fromkeys(names, child.to_dense_module()))
+        elif isinstance(child, SparseLinear):
             # uninitialised, then written in place: no second dense copy, no init overwritten at once
             dense = nn.utils.skip_init(**_dense_twin(child), device=child.values.device, dtype=child.values.dtype)
             with torch.no_grad():
-                dense.weight.zero_().view(-1).index_put_((child._flat_index(),), child.values)
+                child._write_dense_into(dense.weight)
                 if child.bias is not None:
                     dense.bias.copy_(child.bias)
             _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])

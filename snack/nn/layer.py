@@ -542,6 +542,12 @@ class SparseLinear(nn.Module):
         # in place: an out-of-place index_put would hold a second dense copy at its peak
         return dense.index_put_((self._flat_index(),), self.values).view(self.out_features, self.in_features)
 
+    def _write_dense_into(self, weight: Tensor) -> None:
+        """Write the dense weight into ``weight`` in place: zeros, and ``values`` at the
+        connections (``weight`` is contiguous, of ``to_dense()``'s shape or size)."""
+        with torch.no_grad():
+            weight.zero_().view(-1).index_put_((self._flat_index(),), self.values)
+
     def _flat_index(self) -> Tensor:
         """``(nnz,)`` int64: each connection's position in the row-major flattened weight."""
         return linear_positions(self.row, self.col, self.in_features)
