@@ -14,7 +14,8 @@ import snack
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": (
-        "snack.train", "train a sparse MLP or CNN with dynamic sparse training (RigL, SET, GraNet, MEST) on MNIST digits"
+        "snack.train",
+        "train a sparse MLP, CNN or ViT with dynamic sparse training (RigL, SET, GraNet, MEST) on MNIST digits",
     ),
     "compile-check": (
         "snack.backends.triton.compile_check",

@@ -1,9 +1,12 @@
-"""``snack train``: train a sparse MLP or CNN with dynamic sparse training on real MNIST digits.
+"""``snack train``: train a sparse MLP, CNN or ViT with dynamic sparse training on real MNIST digits.
 
 ``--model mlp`` (the default) is ``in → width → width → 10`` with ReLU, built sparse (the layers
 ``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model);
 ``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
-pooling) and ``→ width → 10``, built dense and sparsified that way. Either is trained with AdamW
+pooling) and ``→ width → 10``; ``--model vit`` a small vision transformer (16 patches, two
+pre-norm blocks of attention and MLP, ``width`` wide), whose attention projections
+(``SparseMultiheadAttention``) are sparse too; both built dense and sparsified that way. Each is
+trained with AdamW
 (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it,
 or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while regrowing as RigL does, or
 MEST grows at random up to ``--extra-fraction`` above each layer's connections between updates.
@@ -19,6 +22,7 @@ cuda`` trains on a GPU (the Triton kernels); each timed step then waits for the 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import resource
 import statistics
@@ -36,8 +40,8 @@ from snack.data import Digits, load_digits
 from snack.distributions import layer_sparsities
 
 __all__ = [
-    "MaskedConv2d", "MaskedLinear", "Result", "add_arguments", "cnn", "mlp", "run", "sparse_cnn", "sparse_mlp",
-    "train_models",
+    "MaskedConv2d", "MaskedLinear", "PatchTransformer", "Result", "add_arguments", "cnn", "mlp", "run", "sparse_cnn",
+    "sparse_mlp", "sparse_vit", "train_models",
 ]
 
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
@@ -52,13 +56,17 @@ GRANET_INITIAL_SPARSITY = 0.5
 MEST_EXTRA_FRACTION = 0.5
 
 # hidden width of the fully connected layers when --width is not given
-DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256}
+DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128}
+
+# --model vit: the image is cut into PATCHES_PER_SIDE² patches (tokens), run through VIT_BLOCKS
+# pre-norm blocks of VIT_HEADS-head attention and an MLP of VIT_MLP_RATIO × the width
+PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO = 4, 2, 4, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=tuple(DEFAULT_WIDTH), default="mlp",
-                        help="mlp: in-width-width-10; cnn: two 3x3 convolutions (32, 64 channels), width, 10 "
-                             "(default: mlp)")
+                        help="mlp: in-width-width-10; cnn: two 3x3 convolutions (32, 64 channels), width, 10; "
+                             "vit: 16 patches, two transformer blocks of the width, 4 heads (default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
                         help="overall sparsity of the linear and convolution layers (default: 0.9); granet's final one")
@@ -68,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
     parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: 10)")
     parser.add_argument("--width", type=positive_int, default=None,
-                        help="hidden width of the fully connected layers (default: 1024 for mlp, 256 for cnn)")
+                        help="hidden width of the fully connected layers, vit's token width (default: 1024 for mlp, "
+                             "256 for cnn, 128 for vit)")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="training batch size (default: 64)")
     parser.add_argument("--lr", type=_learning_rate, default=2e-3,
                         help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
@@ -203,19 +212,104 @@ def sparse_cnn(side: int, width: int, sparsity: float, distribution: str, device
     return snack.sparsify(cnn(side, width, classes).to(device), sparsity, distribution=distribution, init="random")
 
 
-def dense_plus_mask(sparse_model: nn.Sequential) -> nn.Sequential:
-    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d) layers are MaskedLinear
-    (MaskedConv2d) with the same topology (as the mask) and weights (builds dense matrices: it
-    is the baseline)."""
-    if any(isinstance(m, (snack.SparseConvTranspose2d, snack.SparseConvTranspose3d)) for m in sparse_model):
+class _Block(nn.Module):
+    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``;
+    ``(N, tokens, width)`` in and out."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, VIT_HEADS, batch_first=True)
+        hidden = VIT_MLP_RATIO * width
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchTransformer(nn.Module):
+    """A small vision transformer: ``(N, side·side)`` flattened one-channel images → logits
+    ``(N, classes)``. The image is cut into ``PATCHES_PER_SIDE²`` square patches (7×7 pixels for
+    28×28 digits), each embedded linearly to ``width`` plus a learned position, then
+    ``VIT_BLOCKS`` pre-norm blocks (:class:`_Block`), a final norm, the mean over tokens and a
+    linear head."""
+
+    def __init__(self, side: int, width: int, classes: int = 10):
+        super().__init__()
+        if side % PATCHES_PER_SIDE:
+            raise ValueError(f"PatchTransformer: the image side ({side}) must be a multiple of {PATCHES_PER_SIDE}")
+        self.side, self.patch = side, side // PATCHES_PER_SIDE
+        self.embed = nn.Linear(self.patch * self.patch, width)
+        self.position = nn.Parameter(0.02 * torch.randn(PATCHES_PER_SIDE**2, width))
+        self.blocks = nn.Sequential(*(_Block(width) for _ in range(VIT_BLOCKS)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, p, k = x.shape[0], self.patch, PATCHES_PER_SIDE
+        patches = x.view(n, k, p, k, p).transpose(2, 3).reshape(n, k * k, p * p)  # (N, tokens, p·p), row by row
+        tokens = self.blocks(self.embed(patches) + self.position)
+        return self.head(self.norm(tokens).mean(dim=1))
+
+
+def sparse_vit(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Module:
+    """:class:`PatchTransformer` with every linear layer and attention projection sparsified at
+    overall ``sparsity`` (``distribution``'s per-layer sparsities, random topologies)."""
+    model = PatchTransformer(side, width, classes).to(device)
+    return snack.sparsify(model, sparsity, distribution=distribution, init="random")
+
+
+class _TimesMask(nn.Module):
+    """A parametrization: the weight times a fixed 0/1 mask at every access (Dense+Mask for
+    ``nn.MultiheadAttention``, which reads its weights itself)."""
+
+    def __init__(self, mask: Tensor):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight * self.mask
+
+
+def masked_attention(sparse: snack.SparseMultiheadAttention) -> nn.MultiheadAttention:
+    """An ``nn.MultiheadAttention`` with ``sparse``'s weights, each multiplied by its
+    projection's fixed 0/1 mask in every forward (``torch.nn.utils.parametrize``)."""
+    dense = sparse.to_dense_module()
+    masks = {name: _mask(layer).to(layer.values.dtype) for name, layer in sparse.projections().items()}
+    inputs = ("q_proj", "k_proj", "v_proj")
+    weights = {"in_proj_weight": torch.cat([masks[n] for n in inputs])} if dense._qkv_same_embed_dim else {
+        f"{n}_weight": masks[n] for n in inputs}  # fmt: skip
+    for name, mask in weights.items():
+        nn.utils.parametrize.register_parametrization(dense, name, _TimesMask(mask))
+    nn.utils.parametrize.register_parametrization(dense.out_proj, "weight", _TimesMask(masks["out_proj"]))
+    return dense
+
+
+def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
+    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d, SparseMultiheadAttention)
+    modules are MaskedLinear (MaskedConv2d, :func:`masked_attention`) with the same topology (as
+    the mask) and weights (builds dense matrices: it is the baseline)."""
+    if any(isinstance(m, (snack.SparseConvTranspose2d, snack.SparseConvTranspose3d)) for m in sparse_model.modules()):
         raise TypeError("dense_plus_mask: transposed convolutions have no masked twin (snack train's models hold none)")
-    layers = [
-        MaskedConv2d(m) if isinstance(m, snack.SparseConv2d)
-        else MaskedLinear(m.to_dense(), _mask(m), m.bias) if isinstance(m, snack.SparseLinear)
-        else m
-        for m in sparse_model
-    ]
-    return nn.Sequential(*layers)
+    masked = copy.deepcopy(sparse_model)
+    replaced: list[str] = []  # modules inside these (an attention's projections) went with them
+    for name, module in list(masked.named_modules()):
+        if any(name.startswith(f"{r}.") for r in replaced):
+            continue
+        if isinstance(module, snack.SparseMultiheadAttention):
+            twin = masked_attention(module)
+        elif isinstance(module, snack.SparseConv2d):
+            twin = MaskedConv2d(module)
+        elif isinstance(module, snack.SparseLinear):
+            twin = MaskedLinear(module.to_dense(), _mask(module), module.bias)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(masked.get_submodule(parent), child, twin)
+        replaced.append(name)
+    return masked
 
 
 def _mask(layer: snack.SparseLinear) -> Tensor:
@@ -417,12 +511,19 @@ def run(args: argparse.Namespace) -> int:
         sparse = sparse_mlp(in_features, width, starting, args.distribution, args.device)
         description = f"MLP {in_features}-{width}-{width}-10"
         dense_model = lambda: mlp(in_features, width)  # noqa: E731
-    else:
+    elif args.model == "cnn":
         side = math.isqrt(in_features)  # the digits are square
         sparse = sparse_cnn(side, width, starting, args.distribution, args.device)
         description = f"CNN {side}×{side} → conv3×3 32, pool → conv3×3 64, pool → {width} → 10"
         dense_model = lambda: cnn(side, width)  # noqa: E731
-    layers = [m for m in sparse if isinstance(m, snack.SparseLinear)]
+    else:
+        side = math.isqrt(in_features)
+        sparse = sparse_vit(side, width, starting, args.distribution, args.device)
+        patch = side // PATCHES_PER_SIDE
+        description = (f"ViT {side}×{side} in {patch}×{patch} patches → {VIT_BLOCKS} blocks (width {width}, "
+                       f"{VIT_HEADS} heads, MLP {VIT_MLP_RATIO * width}) → 10")  # fmt: skip
+        dense_model = lambda: PatchTransformer(side, width)  # noqa: E731
+    layers = [m for m in sparse.modules() if isinstance(m, snack.SparseLinear)]
     print(f"model: {description}, {args.distribution} densities: {_densities(layers)}")
     print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
     masked = dense_plus_mask(sparse) if args.compare else None

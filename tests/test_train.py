@@ -148,6 +148,52 @@ def test_the_default_width_depends_on_the_model(capsys):
     assert "model: MLP 784-1024-1024-10," in capsys.readouterr().out
     assert cli.main([*argv, "cnn"]) == 0
     assert "pool → 256 → 10," in capsys.readouterr().out
+    assert cli.main([*argv, "vit"]) == 0
+    assert "ViT 28×28 in 7×7 patches → 2 blocks (width 128, 4 heads, MLP 256) → 10," in capsys.readouterr().out
+
+
+def test_snack_train_vit_compare_run_learns_and_rewires_the_attention(capsys):
+    # (seeds 0-2 gave the sparse ViT 0.40-0.45 here)
+    code = cli.main(
+        ["train", "--model", "vit", "--width", "64", "--epochs", "4", "--limit", "600", "--batch-size", "32",
+         "--update-every", "5", "--lr", "3e-3", "--no-progress", "--compare"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    block = r"64×64 0\.\d+ · " * 4 + r"128×64 0\.\d+ · 64×128 0\.\d+ · "
+    densities = r"erk densities: 64×49 0\.\d+ · " + block * 2 + r"10×64 0\.\d+\n"
+    model = r"model: ViT 28×28 in 7×7 patches → 2 blocks \(width 64, 4 heads, MLP 128\) → 10, "
+    assert re.search(model + densities, out)
+    assert float(re.search(r"held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
+    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["rigl 90%", "dense", "dense+mask"]
+
+
+def test_dense_plus_mask_computes_what_the_sparse_vit_does():
+    from snack.train import MaskedLinear, PatchTransformer, dense_plus_mask, sparse_vit
+
+    torch.manual_seed(0)
+    sparse = sparse_vit(12, 16, 0.8, "uniform", "cpu").double()
+    masked = dense_plus_mask(sparse)
+    attention = masked.blocks[1].attention
+    assert type(attention).__name__ == "ParametrizedMultiheadAttention"
+    assert isinstance(masked.blocks[0].mlp[0], MaskedLinear) and isinstance(masked.head, MaskedLinear)
+    assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
+    x = torch.randn(5, 144, dtype=torch.float64, requires_grad=True)
+    y_sparse, y_masked = sparse(x), masked(x)
+    torch.testing.assert_close(y_masked, y_sparse)
+    g = torch.randn_like(y_sparse)
+    (dx_sparse,) = torch.autograd.grad(y_sparse, x, g)
+    (dx_masked,) = torch.autograd.grad(y_masked, x, g, retain_graph=True)
+    torch.testing.assert_close(dx_masked, dx_sparse)
+    y_masked.backward(g)  # the masks keep the attention's weight gradients on the topology
+    packed = attention.parametrizations.in_proj_weight
+    assert (packed.original.grad[packed[0].mask == 0] == 0).all() and packed.original.grad.abs().sum() > 0
+    assert int(packed[0].mask.sum()) == sum(sparse.blocks[1].attention.projections()[n].nnz
+                                            for n in ("q_proj", "k_proj", "v_proj"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"the image side \(10\) must be a multiple of 4"):
+        PatchTransformer(10, 16)
 
 
 def test_dense_plus_mask_computes_what_the_sparse_cnn_does():
