@@ -149,6 +149,14 @@ def test_kernels_match_reference(op, dtype, batch, threads):
     assert_matches_reference(op, topo, batch, dtype)
 
 
+@pytest.mark.parametrize("op", ["spmm_t", "spmm_backward"])
+def test_many_tiles_beyond_the_accumulator_budget_run_a_region_per_tile(op, threads):
+    # the scatter kernels run every batch tile in one parallel region while the threads'
+    # accumulators for all tiles fit 8 MiB; here (in = 4096, batch 600: about 20 MiB on two
+    # threads) they fall back to one region per tile
+    assert_matches_reference(op, random_topology(64, 4096, 0.99), 600, torch.float32)
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(
     "shape, sparsity",
