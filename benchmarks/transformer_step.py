@@ -22,8 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from resnet_step import memory_mb  # (this script's folder)
+from resnet_step import memory_mb, model_variants  # (this script's folder)
 from torch import nn
 
 import snack
@@ -62,17 +61,10 @@ def models() -> dict[str, nn.Module]:
 
 
 def variants(built: dict[str, nn.Module], x, padding, y) -> dict[str, dict]:
-    """Per task ("training", "inference"), a callable per model."""
-    tasks: dict[str, dict] = {"training": {}, "inference": {}}
+    """Per task ("training", "inference"), a callable per model: resnet_step's training steps,
+    and inference with the key padding mask."""
+    tasks = model_variants(built, x, y)
     for name, model in built.items():
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step(model=model, optimizer=optimizer):
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-
         # the encoder layers' fused fast path reads linear1.weight: off where self_attn stays dense
         fast_path = name != "snack 0.9, attention dense"
 
@@ -83,7 +75,7 @@ def variants(built: dict[str, nn.Module], x, padding, y) -> dict[str, dict]:
                 model(x, padding)
             torch.backends.mha.set_fastpath_enabled(True)
 
-        tasks["training"][name], tasks["inference"][name] = step, infer
+        tasks["inference"][name] = infer
     return tasks
 
 
