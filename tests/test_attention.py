@@ -488,3 +488,22 @@ def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     torch.testing.assert_close(exported(other), model(other))
     with pytest.raises(NotImplementedError, match="symbolic_trace of a SparseMultiheadAttention itself"):
         torch.fx.symbolic_trace(model.attention)
+
+
+def test_an_averaged_copy_follows_the_projections_rewires():
+    torch.manual_seed(0)
+    model = snack.sparsify(nn.Sequential(_encoder(), nn.Flatten(), nn.Linear(5 * 16, 3)), 0.8, init="random")
+    averaged = snack.AveragedModel(model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rigl = snack.dst.RigL(model, optimizer, update_every=1, total_steps=100)
+    x, y = torch.randn(4, 5, 16), torch.randint(0, 3, (4,))
+    for _ in range(2):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        assert rigl.step()
+        averaged.update_parameters(model)
+    for mine, copy_ in zip(model[0].layers[0].self_attn.projections().values(),
+                           averaged.module[0].layers[0].self_attn.projections().values()):  # fmt: skip
+        assert torch.equal(mine.indices(), copy_.indices())
+    assert torch.isfinite(averaged(x)).all()  # the copy computes with its aligned projections
