@@ -291,6 +291,11 @@ def test_bad_arguments_are_clear_errors():
         sparse(x, k, torch.randn(S, N, E), attn_mask=torch.zeros(L, S, dtype=torch.long))
     with pytest.raises(TypeError, match="value must be a Tensor, got list"):
         sparse(x, k, [1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(4, E)])
+    with pytest.raises(ValueError, match="query is a nested tensor, which it does not take; pad the sequences"):
+        sparse(nested, nested, nested)
     assert all(torch.equal(before[key], value) for key, value in sparse.state_dict().items())
 
 

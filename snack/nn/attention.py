@@ -307,6 +307,11 @@ class SparseMultiheadAttention(nn.Module):
         for name, tensor in (("query", query), ("key", key), ("value", value)):
             if not isinstance(tensor, Tensor):
                 raise TypeError(f"SparseMultiheadAttention: {name} must be a Tensor, got {type(tensor).__name__}")
+            if tensor.is_nested:  # as nn.MultiheadAttention outside its fused fast path
+                raise ValueError(
+                    f"SparseMultiheadAttention: {name} is a nested tensor, which it does not take; pad the sequences "
+                    "(nested.to_padded_tensor) and pass key_padding_mask"
+                )
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
                 "SparseMultiheadAttention: query, key and value must all be 3-D (batched) or all 2-D (one "
