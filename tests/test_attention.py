@@ -45,8 +45,8 @@ def _masks(kind: int, batched: bool = True):
 
 
 def _outputs_and_gradients(attention, inputs, **call):
-    """The module's outputs and the gradients of one loss on them: inputs' and every parameter's
-    (a sparse projection's as a dense ``(E, d)`` gradient, zero off its connections)."""
+    """``(output, weights, the inputs' gradients, {parameter name: gradient})`` of one loss on the
+    module's outputs."""
     output, weights = attention(*inputs, **call)
     torch.manual_seed(7)  # the same cotangents for both modules (randn_like would follow their strides)
     loss = (output * torch.randn(output.shape, dtype=output.dtype)).sum()
