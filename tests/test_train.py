@@ -164,6 +164,19 @@ def test_the_default_width_depends_on_the_model(capsys):
     assert "ViT 28×28 in 7×7 patches → 2 blocks (width 128, 4 heads, MLP 256) → 10," in capsys.readouterr().out
 
 
+def _same_outputs_and_input_gradients_then_backward(sparse, masked, in_features: int) -> None:
+    """The Dense+Mask twin ``masked`` computes what ``sparse`` does, and the same input gradient;
+    then its own backward runs (its weight gradients are the caller's to check)."""
+    x = torch.randn(5, in_features, dtype=torch.float64, requires_grad=True)
+    y_sparse, y_masked = sparse(x), masked(x)
+    torch.testing.assert_close(y_masked, y_sparse)
+    g = torch.randn_like(y_sparse)
+    (dx_sparse,) = torch.autograd.grad(y_sparse, x, g)
+    (dx_masked,) = torch.autograd.grad(y_masked, x, g, retain_graph=True)
+    torch.testing.assert_close(dx_masked, dx_sparse)
+    y_masked.backward(g)
+
+
 def test_dense_plus_mask_computes_what_the_sparse_vit_does():
     from snack.train import MaskedLinear, PatchTransformer, dense_plus_mask, sparse_vit
 
@@ -174,14 +187,8 @@ def test_dense_plus_mask_computes_what_the_sparse_vit_does():
     assert type(attention).__name__ == "ParametrizedMultiheadAttention"
     assert isinstance(masked.blocks[0].mlp[0], MaskedLinear) and isinstance(masked.head, MaskedLinear)
     assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
-    x = torch.randn(5, 144, dtype=torch.float64, requires_grad=True)
-    y_sparse, y_masked = sparse(x), masked(x)
-    torch.testing.assert_close(y_masked, y_sparse)
-    g = torch.randn_like(y_sparse)
-    (dx_sparse,) = torch.autograd.grad(y_sparse, x, g)
-    (dx_masked,) = torch.autograd.grad(y_masked, x, g, retain_graph=True)
-    torch.testing.assert_close(dx_masked, dx_sparse)
-    y_masked.backward(g)  # the masks keep the attention's weight gradients on the topology
+    _same_outputs_and_input_gradients_then_backward(sparse, masked, 144)
+    # the masks keep the attention's weight gradients on the topology
     packed = attention.parametrizations.in_proj_weight
     assert (packed.original.grad[packed[0].mask == 0] == 0).all() and packed.original.grad.abs().sum() > 0
     assert int(packed[0].mask.sum()) == sum(sparse.blocks[1].attention.projections()[n].nnz
@@ -201,15 +208,8 @@ def test_dense_plus_mask_computes_what_the_sparse_cnn_does():
         dense_plus_mask(torch.nn.Sequential(snack.SparseConvTranspose2d(2, 2, 3)))
     conv = masked[4]
     assert int(conv.mask.sum()) == sparse[4].nnz and conv.mask.shape == (64, 32, 3, 3)
-    x = torch.randn(5, 144, dtype=torch.float64, requires_grad=True)
-    y_sparse, y_masked = sparse(x), masked(x)
-    torch.testing.assert_close(y_masked, y_sparse)
-    g = torch.randn_like(y_sparse)
-    (dx_sparse,) = torch.autograd.grad(y_sparse, x, g)
-    (dx_masked,) = torch.autograd.grad(y_masked, x, g, retain_graph=True)
-    torch.testing.assert_close(dx_masked, dx_sparse)
+    _same_outputs_and_input_gradients_then_backward(sparse, masked, 144)
     # the mask keeps the weight gradient on the topology: Dense+Mask trains the same connections
-    y_masked.backward(g)
     assert int((conv.weight.grad != 0).sum()) <= sparse[4].nnz
     assert (conv.weight.grad[conv.mask == 0] == 0).all()
 
