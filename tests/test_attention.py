@@ -512,3 +512,28 @@ def test_an_averaged_copy_follows_the_projections_rewires():
                            averaged.module[0].layers[0].self_attn.projections().values()):  # fmt: skip
         assert torch.equal(mine.indices(), copy_.indices())
     assert torch.isfinite(averaged(x)).all()  # the copy computes with its aligned projections
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's SDPA backward has no batching rule
+def test_per_sample_gradients_with_torch_func():
+    """vmap(grad(...)) through functional_call gives each sample's gradient of every projection's
+    values, as a loop over the samples does (snack.func makes the sparse ops compose)."""
+    from torch.func import functional_call, grad, vmap
+
+    sparse = SparseMultiheadAttention(E, H, batch_first=True, sparsity=0.5, dtype=torch.float64)
+    params = {name: p.detach() for name, p in sparse.named_parameters()}
+    buffers = dict(sparse.named_buffers())
+    x = torch.randn(4, L, E, dtype=torch.float64)
+
+    def loss(parameters, sample):
+        one = sample[None]
+        output, _ = functional_call(sparse, (parameters, buffers), (one, one, one), {"need_weights": False})
+        return output.square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    assert per_sample["q_proj.values"].shape == (4, sparse.q_proj.nnz)
+    for i in range(4):
+        leaves = {name: p.clone().requires_grad_() for name, p in params.items()}
+        expected = torch.autograd.grad(loss(leaves, x[i]), list(leaves.values()))
+        for name, gradient in zip(leaves, expected):
+            torch.testing.assert_close(per_sample[name][i], gradient)
