@@ -240,7 +240,7 @@ class PatchTransformer(nn.Module):
         super().__init__()
         if side % PATCHES_PER_SIDE:
             raise ValueError(f"PatchTransformer: the image side ({side}) must be a multiple of {PATCHES_PER_SIDE}")
-        self.side, self.patch = side, side // PATCHES_PER_SIDE
+        self.patch = side // PATCHES_PER_SIDE
         self.embed = nn.Linear(self.patch * self.patch, width)
         self.position = nn.Parameter(0.02 * torch.randn(PATCHES_PER_SIDE**2, width))
         self.blocks = nn.Sequential(*(_Block(width) for _ in range(VIT_BLOCKS)))

@@ -82,11 +82,7 @@ class SparseMultiheadAttention(nn.Module):
         super().__init__()
         sparsity = check_sparsity(sparsity)
         self._configure(embed_dim, num_heads, dropout, add_zero_attn, kdim, vdim, batch_first)
-        for name, (out_features, in_features) in self.projection_shapes().items():
-            setattr(self, name, SparseLinear(in_features, out_features, bias, sparsity=sparsity, device=device,
-                                             dtype=dtype))  # fmt: skip
-        self._make_bias_kv(add_bias_kv, device, dtype)
-        self.reset_parameters()
+        self._draw_parameters(bias, dict.fromkeys(PROJECTIONS, sparsity), add_bias_kv, device, dtype)
 
     def _configure(self, embed_dim, num_heads, dropout, add_zero_attn, kdim, vdim, batch_first) -> None:
         """Check and keep the attention's sizes and options (everything but the parameters)."""
@@ -108,12 +104,18 @@ class SparseMultiheadAttention(nn.Module):
         self.add_zero_attn = bool(add_zero_attn)
         self.batch_first = bool(batch_first)
 
-    def _make_bias_kv(self, add_bias_kv: bool, device, dtype) -> None:
+    def _draw_parameters(self, bias: bool, sparsities: Mapping[str, float], add_bias_kv: bool, device, dtype) -> None:
+        """Make the projections, random topologies of ``sparsities`` (by projection name), and
+        ``bias_k``/``bias_v`` if asked, then draw their values (:meth:`reset_parameters`)."""
+        for name, (out_features, in_features) in self.projection_shapes().items():
+            setattr(self, name, SparseLinear(in_features, out_features, bias, sparsity=sparsities[name], device=device,
+                                             dtype=dtype))  # fmt: skip
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.empty(1, 1, self.embed_dim, device=device, dtype=dtype))
             self.bias_v = nn.Parameter(torch.empty(1, 1, self.embed_dim, device=device, dtype=dtype))
         else:
             self.bias_k = self.bias_v = None
+        self.reset_parameters()
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (out_features, in_features)}`` of the four projections."""
@@ -173,12 +175,8 @@ class SparseMultiheadAttention(nn.Module):
         with random topologies of the given per-projection sparsities (``sparsify(init="random")``)."""
         reference = attention.out_proj.weight
         new = cls._configured_like(attention)
-        has_bias = attention.out_proj.bias is not None
-        for name, (out_features, in_features) in new.projection_shapes().items():
-            setattr(new, name, SparseLinear(in_features, out_features, has_bias, sparsity=sparsities[name],
-                                            device=reference.device, dtype=reference.dtype))  # fmt: skip
-        new._make_bias_kv(attention.bias_k is not None, reference.device, reference.dtype)
-        new.reset_parameters()
+        new._draw_parameters(attention.out_proj.bias is not None, sparsities, attention.bias_k is not None,
+                             reference.device, reference.dtype)  # fmt: skip
         return new.train(attention.training)
 
     def reset_parameters(self) -> None:
