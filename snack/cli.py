@@ -15,7 +15,8 @@ import snack
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "snack.train",
-        "train a sparse MLP, CNN or ViT with dynamic sparse training (RigL, SET, GraNet, MEST) on MNIST digits",
+        "train a sparse MLP, CNN or ViT on MNIST digits, or a character-level GPT on Shakespeare, with dynamic "
+        "sparse training (RigL, SET, GraNet, MEST)",
     ),
     "compile-check": (
         "snack.backends.triton.compile_check",

@@ -66,7 +66,7 @@ def cnn(side: int, width: int, classes: int = 10) -> nn.Sequential:
 def sparse_cnn(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Sequential:
     """:func:`cnn` with every convolution and linear layer sparsified at overall ``sparsity``
     (``distribution``'s per-layer sparsities, random topologies: ``init="random"``)."""
-    return snack.sparsify(cnn(side, width, classes).to(device), sparsity, distribution=distribution, init="random")
+    return _sparsified(cnn(side, width, classes), sparsity, distribution, device)
 
 
 class TransformerBlock(nn.Module):
@@ -120,8 +120,7 @@ class PatchTransformer(nn.Module):
 def sparse_vit(side: int, width: int, sparsity: float, distribution: str, device, classes: int = 10) -> nn.Module:
     """:class:`PatchTransformer` with every linear layer and attention projection sparsified at
     overall ``sparsity`` (``distribution``'s per-layer sparsities, random topologies)."""
-    model = PatchTransformer(side, width, classes).to(device)
-    return snack.sparsify(model, sparsity, distribution=distribution, init="random")
+    return _sparsified(PatchTransformer(side, width, classes), sparsity, distribution, device)
 
 
 class CharTransformer(nn.Module):
@@ -175,5 +174,10 @@ def sparse_char_transformer(
     """:class:`CharTransformer` with every linear layer and attention projection sparsified at
     overall ``sparsity`` (``distribution``'s per-layer sparsities, random topologies); the
     embeddings stay dense."""
-    model = CharTransformer(vocabulary, width, context).to(device)
-    return snack.sparsify(model, sparsity, distribution=distribution, init="random")
+    return _sparsified(CharTransformer(vocabulary, width, context), sparsity, distribution, device)
+
+
+def _sparsified(model: nn.Module, sparsity: float, distribution: str, device) -> nn.Module:
+    """``model`` on ``device`` with its layers sparsified, random topologies at ``distribution``'s
+    per-layer sparsities for the overall ``sparsity``."""
+    return snack.sparsify(model.to(device), sparsity, distribution=distribution, init="random")
