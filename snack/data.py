@@ -83,7 +83,7 @@ class TextSequences(NamedTuple):
         return "".join(self.vocabulary[i] for i in ids.tolist())
 
 
-# Sequences held out from the end of the text (65,000 characters at T = 64: most of The Winter's Tale)
+# Sequences held out from the end of the text (64,000 characters at T = 64: most of The Winter's Tale)
 SHAKESPEARE_HELD_OUT = 1000
 
 
