@@ -11,7 +11,7 @@ from snack.averaging import AveragedModel, align_topology
 from snack.backends import available_backends, use_backend
 from snack.nn import (
     SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
-    SparseLinear, SparseMultiheadAttention, densify, sparsify,
+    SparseEmbedding, SparseLinear, SparseMultiheadAttention, densify, sparsify,
 )
 from snack.topology import Topology
 
@@ -36,6 +36,7 @@ __all__ = [
     "SparseConvTranspose1d",
     "SparseConvTranspose2d",
     "SparseConvTranspose3d",
+    "SparseEmbedding",
     "SparseLinear",
     "SparseMultiheadAttention",
     "Topology",

@@ -18,6 +18,8 @@ never a dense weight, and an ONNX runtime computes with its connections only:
 - ``spmm_t`` (``dX[B, in] = dY[B, out] · W``, the forward of a transposed convolution) the same
   way with the transposed weight: the connections sorted by ``(col, row)`` (``TopK`` of unique
   keys, also folded at load) are its rows.
+- ``embedding_lookup`` (a :class:`snack.SparseEmbedding`) from the same padded rows of its table:
+  each id's row of columns and values gathered, then scattered into a zero row.
 - ``topology_index_data`` as placeholders of its outputs' sizes: the translations above derive
   what they need from ``row``/``col``, and the exporter drops the unused placeholders.
 
@@ -47,6 +49,7 @@ def translations() -> dict:
         torch.ops.snack.topology_index_data.default: _topology_index_data,
         torch.ops.snack.spmm.default: _spmm,
         torch.ops.snack.spmm_t.default: _spmm_t,
+        torch.ops.snack.embedding_lookup.default: _embedding_lookup,
     }
 
 
@@ -73,6 +76,19 @@ def _spmm_t(dy, values, row, col, rowptr, colptr, csc_perm):
     _, order = op.TopK(keys, op.Shape(keys), largest=0, sorted=1)
     transposed = (op.Gather(values, order), op.Gather(col, order), op.Gather(row, order))
     return _padded_product(dy, *transposed, _static_length(colptr) - 1)
+
+
+def _embedding_lookup(values, row, col, rowptr, indices, embedding_dim: int):
+    """``(N, embedding_dim)``: the table rows of ``indices (N,)``, each gathered from the padded
+    rows (:func:`_padded_rows`, padding column ``embedding_dim``) and scattered into a row one
+    wider, whose last column, where every padding slot lands (a zero), is cut off."""
+    columns, padded_values = _padded_rows(row, col, values, _static_length(rowptr) - 1, padding_column=embedding_dim)
+    shape = op.Concat(op.Shape(indices), _ints(embedding_dim + 1), axis=0)
+    wider = op.ScatterElements(
+        _zeros_like(values, shape), op.Gather(columns, indices, axis=0), op.Gather(padded_values, indices, axis=0),
+        axis=1,
+    )
+    return op.Slice(wider, _ints(0), _ints(embedding_dim), _ints(1))
 
 
 def _static_length(pointer) -> int:

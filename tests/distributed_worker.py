@@ -29,15 +29,31 @@ STEPS = 6
 LOCAL_BATCH = 8
 
 
-def model(seed: int = 0) -> nn.Module:
+class TokenEmbedding(nn.Module):
+    """``x (N, 12)`` plus the embedding of a token read off ``x``: the signs of its first three
+    features, an id in [0, 8). An embedding's records are ids ``(N,)``, which the ranks gather too."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(8, 12)
+
+    def forward(self, x):
+        ids = ((x[:, :3] > 0).long() * torch.tensor([1, 2, 4])).sum(1)
+        return x + self.embedding(ids)
+
+
+def model(seed: int = 0, *, embedding: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     # convolutions too, one grouped, and a grouped transposed one: RigL scores them from the padded
     # inputs (output gradients) alone, from the gathered im2col rows on several ranks, and both
-    # must grow the same connections
+    # must grow the same connections; with `embedding`, first a token embedding, scored from the
+    # gathered ids
     net = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), nn.Conv2d(3, 6, 2, padding=1), nn.ReLU(),
                         nn.Conv2d(6, 6, 1, groups=3), nn.ReLU(), nn.ConvTranspose2d(6, 4, 2, groups=2), nn.Flatten(),
                         nn.ReLU(), nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 5)).double()  # fmt: skip
-    return snack.sparsify(net, 0.7, init="random")
+    if embedding:
+        net = nn.Sequential(TokenEmbedding().double(), *net)
+    return snack.sparsify(net, 0.7, init="random", embeddings=True)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +96,7 @@ def layers_state(net: nn.Module) -> list[dict]:
 def train_under_ddp(rank: int, algorithm: str) -> tuple[list[dict], torch.Tensor]:
     """``algorithm`` on a DDP model, each rank on its slice of the global batches: the layers, and
     the state of the DST object's RNG."""
-    net = model()
+    net = model(embedding=True)
     ddp = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     dst = ALGORITHMS[algorithm](net, optimizer)

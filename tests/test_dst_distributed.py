@@ -33,7 +33,7 @@ def _assert_same_topologies(a: list[dict], b: list[dict]) -> None:
 
 def _single_process(algorithm: str) -> tuple[list[dict], torch.Tensor]:
     """The same training in one process on the whole batch (minus what rank 1 skipped)."""
-    net = worker.model()
+    net = worker.model(embedding=True)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     dst = worker.ALGORITHMS[algorithm](net, optimizer)
     for step in range(worker.STEPS):
@@ -52,7 +52,8 @@ def _single_process(algorithm: str) -> tuple[list[dict], torch.Tensor]:
 
 @pytest.mark.parametrize("algorithm", sorted(worker.ALGORITHMS))
 def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(ranks, algorithm):
-    """RigL and GraNet grow from the gathered records, MEST drops by DDP's averaged gradient;
+    """RigL and GraNet grow from the gathered records (a token embedding's ids among them), MEST
+    drops by DDP's averaged gradient;
     GradualPruning, GraNet and MEST, whose nnz changes, run with the DDP wrapper rebuilt after
     each update."""
     (rank0, generator0), (rank1, generator1) = (r[f"{algorithm}_under_ddp"] for r in ranks)
@@ -67,7 +68,7 @@ def test_under_ddp_the_ranks_keep_one_topology_chosen_as_from_the_global_batch(r
         torch.testing.assert_close(layer0["values"], alone["values"], rtol=0, atol=1e-12)
     # the updates did change the topology of every layer but the smallest (4 connections: its one
     # dropped connection was grown again)
-    initial = worker.layers_state(worker.model())
+    initial = worker.layers_state(worker.model(embedding=True))
     changed = [not torch.equal(now["col"], then["col"]) for now, then in zip(single, initial)]
     assert all(done for done, then in zip(changed, initial) if then["col"].numel() > 4) and any(changed)
 
@@ -99,7 +100,7 @@ def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, run):
         if dst is not None:
             assert torch.equal(rank[f"{run}_under_fsdp"]["generator"], dst.generator.get_state())
     if dst is not None:  # the updates changed the topology
-        initial = worker.layers_state(worker.model())
+        initial = worker.layers_state(worker.model(embedding=True))
         assert any(not torch.equal(now["col"], then["col"]) for now, then in zip(worker.layers_state(net), initial))
 
 

@@ -90,6 +90,26 @@ def test_onnx_runtime_gives_snacks_results_at_any_batch(name):
         np.testing.assert_allclose(_run(proto, x), expected.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_sparse_embedding_exports_with_its_connections_at_any_batch_and_length():
+    """Ids of rows with connections, without any (row 0 emptied) and repeated; the file holds
+    the connections, not the (50, 12) table."""
+    torch.manual_seed(0)
+    table = torch.randn(50, 12) * (torch.rand(50, 12) < 0.3)
+    table[0] = 0
+    model = nn.Sequential(snack.SparseEmbedding.from_dense(table), snack.SparseLinear(12, 4, sparsity=0.5)).eval()
+    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=1024)}
+    example = torch.randint(0, 50, (2, 7))
+    proto = torch.onnx.export(
+        model, (example,), dynamo=True, custom_translation_table=snack.onnx_translations(), dynamic_shapes=(dims,),
+        verbose=False,
+    ).model_proto
+    for ids in (example, torch.tensor([[0, 0, 49, 3, 3]]), torch.randint(0, 50, (3, 11))):
+        with torch.no_grad():
+            np.testing.assert_allclose(_run(proto, ids), model(ids).numpy(), rtol=1e-6, atol=1e-6)
+    sizes = [int(np.prod(t.dims)) for t in proto.graph.initializer]
+    assert max(sizes) < 50 * 12 and model[0].nnz in sizes
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float16, 2e-3)])
 def test_other_dtypes_run_in_theirs(dtype, tolerance):
     """(bfloat16 exports too, but ONNX Runtime's CPU MatMul has no bfloat16 kernel, for a dense

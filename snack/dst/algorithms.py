@@ -87,13 +87,12 @@ def saved_counts(state: dict, key: str, layers: list[tuple[str, SparseLinear]]) 
 
 def grown_values(grow_init: str, layer: SparseLinear, k: int, generator: torch.Generator) -> Tensor | None:
     """``(k,)`` initial weights of ``k`` connections grown in ``layer``: ``None`` (zeros) for
-    ``grow_init="zero"``; for ``"random"`` the layer's own init, ``U(-1/√fan_in, 1/√fan_in)`` with
-    ``fan_in = nnz / out`` (see :class:`SparseLinear`), drawn from ``generator``."""
+    ``grow_init="zero"``; for ``"random"`` the layer's own init (a :class:`SparseLinear`'s
+    ``U(-1/√fan_in, 1/√fan_in)`` with ``fan_in = nnz / out``, a :class:`SparseEmbedding`'s normal),
+    drawn from ``generator``."""
     if grow_init == "zero":
         return None
-    bound = 1.0 / math.sqrt(max(1.0, layer.nnz / layer.out_features))
-    draw = torch.rand(k, generator=generator, dtype=torch.float64) * 2 - 1
-    return (draw * bound).to(device=layer.values.device, dtype=layer.values.dtype)
+    return layer._random_initial_values(k, generator).to(device=layer.values.device, dtype=layer.values.dtype)
 
 
 def gradient_growth(dst: DynamicSparsity, layer: SparseLinear, k: int) -> Tensor:

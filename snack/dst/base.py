@@ -183,7 +183,10 @@ class DynamicSparsity:
         :func:`snack.dst.prune_grow.gradient_grow`) rather than form it. A convolution's ``X`` are
         its im2col rows ``(N · H_out · W_out, in_channels · kh · kw)``, formed by this call (RigL
         scores the padded input it kept instead: see :meth:`recorded_as_kept`); a grouped one's
-        hold every group's columns, so ``gradient_grow`` needs ``convolution=`` the layer."""
+        hold every group's columns, so ``gradient_grow`` needs ``convolution=`` the layer. A
+        :class:`snack.SparseEmbedding`'s ``X`` are its ids ``(N,)`` (int64) and ``dY`` its output
+        gradient rows ``(N, embedding_dim)``: row ``t`` of ``∂L/∂W`` sums the ``dY`` rows of id ``t``
+        (``gradient_grow`` scores them so)."""
         x, dy = self.recorded_as_kept(layer)
         return layer._rows_of_record(x), dy
 
@@ -359,12 +362,16 @@ class DynamicSparsity:
         recorded = self._capture.batch(index)
         values = layer.values
         if self._group is None or self._count(step, layer) == 0:
-            return recorded if recorded is None else tuple(t.to(values.dtype) for t in recorded)
-        x, dy = recorded if recorded is not None else (values.new_empty(0, layer._rows_width),
-                                                        values.new_empty(0, layer.out_features))
+            return recorded if recorded is None else tuple(_in_dtype(t, values.dtype) for t in recorded)
+        x, dy = recorded if recorded is not None else layer._empty_records(values)
         x = x if recorded is None else layer._rows_of_record(x)  # rows: ranks' inputs may differ in size
-        x, rows = distributed.gather_rows(x.to(values.dtype), self._group)
-        dy, _ = distributed.gather_rows(dy.to(values.dtype), self._group)
+        x, rows = distributed.gather_rows(_in_dtype(x, values.dtype), self._group)
+        dy, _ = distributed.gather_rows(_in_dtype(dy, values.dtype), self._group)
         if rows == 0:
             return None
         return (x, dy) if distributed.is_rank_zero(self._group) else ON_RANK_ZERO
+
+
+def _in_dtype(record: Tensor, dtype: torch.dtype) -> Tensor:
+    """A recorded tensor in the layer's ``dtype``, an embedding's ids (integers) as they are."""
+    return record.to(dtype) if record.is_floating_point() else record

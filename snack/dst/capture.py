@@ -124,9 +124,9 @@ class GradientCapture:
         # too). An in-place op on that view (ReLU(inplace=True)) replaces the view's autograd
         # history, and a hook on the view would never fire; one on the (N, out) result still sees dY.
         to_rows = layer._record_of_output_gradient
-        base = output._base
-        if base is not None and base.shape == (output.numel() // layer.out_features, layer.out_features):
-            output, to_rows = base, lambda grad: grad.reshape(-1, layer.out_features)
+        base, width = output._base, layer._output_width
+        if base is not None and base.shape == (output.numel() // width, width):
+            output, to_rows = base, lambda grad: grad.reshape(-1, width)
         output.register_hook(grad_hook)
 
 

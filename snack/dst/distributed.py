@@ -171,12 +171,13 @@ def agreed(group, doing: str, compute: Callable[[], T], check=None) -> T:
 
 def gather_rows(rows: Tensor, group) -> tuple[Tensor | None, int]:
     """``(rows of every rank concatenated in rank order (Σ n_r, width) on rank 0 (None on the
-    others), Σ n_r on every rank)`` for this rank's ``rows (n_r, width)``; ranks may hold
-    different numbers of rows (an uneven last batch, a rank with none)."""
+    others), Σ n_r on every rank)`` for this rank's ``rows (n_r, width)`` (or ``(n_r,)``: an
+    embedding's ids); ranks may hold different numbers of rows (an uneven last batch, a rank
+    with none)."""
     counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device), group=group)
     counts = [int(c) for c in counts]
-    padded = rows.new_zeros(max(counts), rows.shape[1])
+    padded = rows.new_zeros(max(counts), *rows.shape[1:])
     padded[: rows.shape[0]] = rows
     receive = [torch.empty_like(padded) for _ in counts] if is_rank_zero(group) else None
     dist.gather(padded, receive, dst=dist.get_global_rank(group, 0), group=group)

@@ -112,8 +112,11 @@ def gradient_grow(
         x: ``(B, in)`` layer inputs of the batch; with ``convolution``, its padded input ``(N, C,
             Hp, Wp)`` (a :class:`snack.SparseConv3d`'s ``(N, C, Dp, Hp, Wp)``; as
             :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it) or its
-            im2col rows ``(N · H_out · W_out, C · kh · kw)`` (as :meth:`recorded_batch` does).
-        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (a convolution's:
+            im2col rows ``(N · H_out · W_out, C · kh · kw)`` (as :meth:`recorded_batch` does); a
+            :class:`snack.SparseEmbedding`'s ids ``(N,)`` (integers), whose table's gradient is
+            formed a block of rows at a time from them and ``dy``.
+        dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (an embedding's:
+            ``(N, embedding_dim)``; a convolution's:
             ``(N · H_out · W_out, out)``, positions in row-major order). ``x`` and ``dy`` in
             float16 or bfloat16 are scored in float32.
         topology: the layer's current connections (excluded from growth).
@@ -130,6 +133,8 @@ def gradient_grow(
     out_features, in_features = topology.shape
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
+    if not (x.is_floating_point() or x.is_complex()):
+        return _grow_from_ids(x, dy, topology, k, block_elements)
     width = in_features if convolution is None else convolution._rows_width
     padded_dims = None if convolution is None else 2 + len(convolution._computed_geometry[0])
     if not (x.dim() == 2 and x.shape[1] == width or x.dim() == padded_dims):
@@ -148,7 +153,28 @@ def gradient_grow(
         scores = _GradientScores(x, dy, topology, groups)
     else:
         scores = _ConvolutionScores(x, dy, topology, convolution)
-    rows_per_block = max(1, block_elements // in_features)
+    return _best_k_scores(scores, k, block_elements)
+
+
+def _grow_from_ids(ids: Tensor, dy: Tensor, topology: Topology, k: int, block_elements: int) -> Tensor:
+    """:func:`gradient_grow` of an embedding, from its ids ``(N,)`` and output gradient ``dy (N,
+    embedding_dim)``."""
+    num_embeddings, embedding_dim = topology.shape
+    if ids.dim() != 1 or dy.shape != (ids.shape[0], embedding_dim):
+        raise ValueError(
+            f"gradient_grow: an embedding's ids must be (N,) and dy (N, {embedding_dim}); got ids of shape "
+            f"{tuple(ids.shape)} and dy of shape {tuple(dy.shape)}"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+        raise ValueError(f"gradient_grow: ids must be in [0, {num_embeddings - 1}]")
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=topology.device)
+    return _best_k_scores(_EmbeddingScores(ids, dy, topology), k, block_elements)
+
+
+def _best_k_scores(scores: _GradientScores, k: int, block_elements: int) -> Tensor:
+    """The ``k`` best positions of ``scores``, a block of rows at a time (see :func:`gradient_grow`)."""
+    rows_per_block = max(1, block_elements // scores.topology.shape[1])
     sampled_bar = _sampled_bar(scores, k, rows_per_block)
     if sampled_bar is not None:
         best = _best_above(scores, k, rows_per_block, sampled_bar)
@@ -272,6 +298,27 @@ class _ConvolutionScores(_GradientScores):
             parts.append(weight_gradient(x, weight_size, dy, stride, 0, dilation, last - first))
         gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
         return ordering_keys(gradient.abs_().view(-1))
+
+
+class _EmbeddingScores(_GradientScores):
+    """:class:`_GradientScores` of an embedding's table from the ids ``(N,)`` looked up and their
+    output gradient ``dy (N, embedding_dim)``: row ``t`` of ``∂L/∂E`` is the sum of the ``dy`` rows
+    of the positions holding ``t`` (zero for ids not looked up). A block of rows sums the ``dy``
+    rows of its ids only, never a one-hot ``(N, num_embeddings)`` matrix."""
+
+    def __init__(self, ids: Tensor, dy: Tensor, topology: Topology):
+        self.dtype = torch.promote_types(dy.dtype, torch.float32)
+        self.ids, self.dy = ids.to(torch.int64), dy.to(self.dtype)
+        self.topology, self.groups, self.native = topology, 1, False
+
+    def _keys(self, rows: slice) -> Tensor:
+        start, stop, step = rows.indices(self.topology.shape[0])
+        offset = self.ids - start
+        # the ids among rows start, start + step, ... (before stop), and their place in the block
+        taken = (offset >= 0) & (self.ids < stop) & (offset % step == 0)
+        block = self.dy.new_zeros(len(range(start, stop, step)), self.dy.shape[1])
+        block.index_add_(0, offset[taken] // step, self.dy[taken])
+        return ordering_keys(block.abs_().view(-1))
 
 
 def _group_pieces(rows: slice, out_features: int, groups: int) -> list[tuple[slice, int, int]]:

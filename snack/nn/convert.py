@@ -1,5 +1,5 @@
-"""``sparsify`` and ``densify``: turn a model's ``nn.Linear`` and convolution
-layers into :class:`SparseLinear` and the sparse convolutions, and back."""
+"""``sparsify`` and ``densify``: turn a model's ``nn.Linear``, attention, convolution (and, on
+request, embedding) layers into :class:`SparseLinear` and its kin, and back."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from snack.nn.conv_base import _SparseConvNd
 from snack.nn.conv_transpose import SparseConvTranspose2d
 from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.conv_transpose3d import SparseConvTranspose3d
+from snack.nn.embedding import SparseEmbedding, unsupported_options
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 
 __all__ = ["densify", "sparsify"]
@@ -40,12 +41,15 @@ def _conv1d_class():
     return getattr(module, "Conv1D", None)
 
 
-def _dense_weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+def _dense_weight_and_bias(module: nn.Module, embeddings: bool) -> tuple[Tensor, Tensor | None] | None:
     """``(weight (out, in), a convolution's (out, in, kh, kw) or (out, in, k), bias)`` of a layer
-    ``sparsify`` converts, else ``None``."""
+    ``sparsify`` converts (with ``embeddings``, an ``nn.Embedding``'s ``(num_embeddings,
+    embedding_dim)`` table and no bias), else ``None``."""
     # not subclasses: see sparsify
     if type(module) is nn.Linear or type(module) in SPARSE_CONVOLUTIONS:
         return module.weight, module.bias
+    if embeddings and type(module) is nn.Embedding:
+        return module.weight, None
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         return module.weight.t(), module.bias  # Conv1D stores (in, out): y = x @ weight + bias
@@ -127,6 +131,7 @@ class _LeftDense(NamedTuple):
 
     subclassed: list[str]  # subclasses of nn.Linear
     other_convolutions: list[str]  # subclasses of the converted convolutions
+    embedding_options: list[str]  # nn.Embedding with options a SparseEmbedding does not have
     hooked: list[str]  # with forward pre-hooks
     tied: list[str]  # whose parameters another module holds too
 
@@ -140,10 +145,11 @@ class _Chosen(NamedTuple):
 
 
 def _choose_layers(
-    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None
+    modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None,
+    embeddings: bool,
 ) -> tuple[_Chosen, _LeftDense]:
     """The layers and attentions to convert, and the selected ones left dense."""
-    chosen, left_dense = _Chosen({}, {}), _LeftDense([], [], [], [])
+    chosen, left_dense = _Chosen({}, {}), _LeftDense([], [], [], [], [])
     owners = _parameter_owners(modules)
     attention_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
     for child, names in modules.values():
@@ -156,7 +162,10 @@ def _choose_layers(
         shown = names[0] or "(root)"
         if type(child) is nn.MultiheadAttention:
             parameters = list(child.parameters())
-        elif (wb := _dense_weight_and_bias(child)) is not None:
+        elif isinstance(child, nn.Embedding) and embeddings and unsupported_options(child):
+            left_dense.embedding_options.append(f"{shown} ({unsupported_options(child)})")
+            continue
+        elif (wb := _dense_weight_and_bias(child, embeddings)) is not None:
             parameters = [p for p in child._parameters.values() if p is not None]
         elif isinstance(child, (nn.Linear, nn.MultiheadAttention)):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
@@ -183,7 +192,14 @@ def _inside(name: str, prefixes: list[str]) -> bool:
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
-    subclassed, other_convolutions, hooked, tied = left_dense
+    subclassed, other_convolutions, embedding_options, hooked, tied = left_dense
+    if embedding_options:
+        warnings.warn(
+            f"sparsify left {len(embedding_options)} nn.Embedding layer(s) dense: {', '.join(embedding_options)}. "
+            "SparseEmbedding has no counterpart of padding_idx, max_norm, scale_grad_by_freq or sparse; exclude "
+            "the layers to silence this warning.",
+            stacklevel=3,
+        )
     if other_convolutions:
         warnings.warn(
             f"sparsify left {len(other_convolutions)} convolution(s) dense: {', '.join(other_convolutions)}. snack "
@@ -223,6 +239,7 @@ def sparsify(
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     init: str = "magnitude",
+    embeddings: bool = False,
 ) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
     :class:`SparseLinear`, its ``nn.MultiheadAttention`` modules with
@@ -241,6 +258,10 @@ def sparsify(
         init: ``"magnitude"`` keeps each layer's largest-magnitude weights; ``"random"`` draws a
             fresh random topology and variance-preserving init (on the meta device: once
             materialised, by ``to_empty()`` and ``reset_parameters()``).
+        embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` (off by
+            default: dynamic sparse training usually keeps embeddings dense). One with
+            ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with
+            a warning, and so does one tied to an output layer (GPT-2's ``wte``).
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
@@ -270,10 +291,12 @@ def sparsify(
     include, exclude = _patterns(include, "include"), _patterns(exclude, "exclude")
     if init not in ("magnitude", "random"):
         raise ValueError(f"init must be 'magnitude' or 'random', got {init!r}")
+    if not isinstance(embeddings, bool):
+        raise TypeError(f"embeddings must be a bool, got {type(embeddings).__name__} {embeddings!r}")
     modules = _modules_by_identity(module)
-    chosen, left_dense = _choose_layers(modules, include, exclude)
+    chosen, left_dense = _choose_layers(modules, include, exclude, embeddings)
     _warn_about_layers_left_dense(left_dense)
-    _warn_about_what_sparsify_missed(modules, include, exclude, chosen)
+    _warn_about_what_sparsify_missed(modules, include, exclude, chosen, embeddings)
     shapes = _weight_shapes(chosen)
     on_meta = [name for name, (_, _, weight, _) in chosen.layers.items() if weight.device.type == "meta"]
     on_meta += [name for name, (child, _) in chosen.attentions.items() if child.out_proj.weight.device.type == "meta"]
@@ -325,6 +348,10 @@ def _turn_off_nested_tensor_fast_paths(modules: dict[int, tuple[nn.Module, list[
 def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsity: float, init: str) -> SparseLinear:
     """The sparse layer that replaces ``dense`` (whose ``weight`` is ``(out, in)`` or a
     convolution's ``(out, in, kh, kw)`` or ``(out, in, k)``): its largest weights, or a random topology."""
+    if type(dense) is nn.Embedding:
+        if init == "magnitude":
+            return SparseEmbedding.from_dense(dense, sparsity=sparsity)
+        return SparseEmbedding(*weight.shape, sparsity=sparsity, device=weight.device, dtype=weight.dtype)
     sparse_convolution = SPARSE_CONVOLUTIONS.get(type(dense))
     if sparse_convolution is not None:
         if init == "magnitude":
@@ -340,7 +367,7 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
 
 def _warn_about_what_sparsify_missed(
     modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None,
-    chosen: _Chosen,
+    chosen: _Chosen, embeddings: bool,
 ) -> None:
     """Warn where a sparsify call is likely not what its caller meant: a pattern that names no
     module (``"fc*"`` for ``"0.fc"``), nothing to convert (e.g. a second call meant to raise the
@@ -362,9 +389,12 @@ def _warn_about_what_sparsify_missed(
             if sparse else ""
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
+        kinds = (
+            "nn.Linear, nn.MultiheadAttention, 1-, 2- or 3-D (transposed) convolution or nn.Embedding" if embeddings
+            else "nn.Linear, nn.MultiheadAttention or 1-, 2- or 3-D (transposed) convolution"
+        )
         warnings.warn(
-            "sparsify converted no layer: the model holds no nn.Linear, nn.MultiheadAttention or 1-, 2- or 3-D "
-            "(transposed) convolution"
+            f"sparsify converted no layer: the model holds no {kinds}"
             f"{selected} that it may convert{already}",
             stacklevel=3,
         )
@@ -396,7 +426,8 @@ def _in_dense_attention_encoder_layer(parent: nn.Module, converted_attentions: s
 
 
 def densify(module: nn.Module) -> nn.Module:
-    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (and
+    """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (every
+    :class:`SparseEmbedding` with an ``nn.Embedding``, and
     every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
     ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``, every
     :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``),
@@ -418,7 +449,8 @@ def densify(module: nn.Module) -> nn.Module:
                 child._write_dense_into(dense.weight)
                 if child.bias is not None:
                     dense.bias.copy_(child.bias)
-            _keep_module_state(dense, child, [(dense.weight, child.values), (dense.bias, child.bias)])
+            dense_bias = getattr(dense, "bias", None)  # (an nn.Embedding has none)
+            _keep_module_state(dense, child, [(dense.weight, child.values), (dense_bias, child.bias)])
             converted.update(dict.fromkeys(names, dense))
     return _install(module, converted)
 
@@ -427,5 +459,7 @@ def _dense_twin(layer: SparseLinear) -> dict:
     """``nn.utils.skip_init``'s arguments for the dense layer ``densify`` makes of ``layer``."""
     if isinstance(layer, _SparseConvNd):
         return dict(module_cls=layer._dense_class, **layer._dense_arguments())
+    if isinstance(layer, SparseEmbedding):
+        return dict(module_cls=nn.Embedding, num_embeddings=layer.num_embeddings, embedding_dim=layer.embedding_dim)
     return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
                 bias=layer.bias is not None)  # fmt: skip

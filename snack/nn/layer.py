@@ -88,7 +88,7 @@ class SparseLinear(nn.Module):
             )
         sparsity = check_sparsity(sparsity)
         if dtype is not None and not dtype.is_floating_point:
-            raise TypeError(f"SparseLinear: dtype must be a floating dtype, got {dtype}")
+            raise TypeError(f"{type(self).__name__}: dtype must be a floating dtype, got {dtype}")
         device = torch.empty(0, device=device).device  # (a `with torch.device(...)` context's too)
         on_meta = device.type == "meta"
         if on_meta:  # no data to draw into: reset_parameters() draws it after to_empty()
@@ -502,6 +502,24 @@ class SparseLinear(nn.Module):
     def _record_of_output_gradient(self, dy: Tensor) -> Tensor:
         """What RigL keeps of an output's gradient: its rows (:meth:`_rows_of_output`)."""
         return self._rows_of_output(dy)
+
+    @property
+    def _output_width(self) -> int:
+        """Width of the output's rows (:meth:`_rows_of_output`): ``out_features`` (an embedding's:
+        its ``embedding_dim``)."""
+        return self.out_features
+
+    def _empty_records(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """``(X, dY)`` of no rows, as :meth:`_operands_of_records` gives them, on ``values``' device
+        and dtype (what a rank that recorded nothing contributes)."""
+        return values.new_empty(0, self._rows_width), values.new_empty(0, self.out_features)
+
+    def _random_initial_values(self, count: int, generator: torch.Generator) -> Tensor:
+        """``(count,)`` float64 draws of the layer's initial distribution, ``U(-1/√fan_in,
+        1/√fan_in)`` with ``fan_in = nnz / out_features`` (class docstring), from ``generator``: the
+        values of connections grown with ``grow_init="random"``."""
+        bound = 1.0 / math.sqrt(max(1.0, self.nnz / self.out_features))
+        return (torch.rand(count, generator=generator, dtype=torch.float64) * 2 - 1) * bound
 
     def _operands_of_records(self, input_record: Tensor, gradient_record: Tensor) -> tuple[Tensor, Tensor]:
         """``(X, dY)`` as :func:`snack.dst.gradient_grow` scores them, of one call's records

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from snack.backends.derived import derived
+from snack.embedding_ops import embedding_lookup
 from snack.nn import locking
 from snack.ops import sparse_linear, spmm_t
 from snack.topology import INDEX_DTYPE, Topology
@@ -38,6 +39,14 @@ def fx_sparse_linear_transposed(
     return spmm_t(rows, values, traced_topology(row, col, (out_features, in_features)))
 
 
+def fx_sparse_embedding(ids: Tensor, values: Tensor, row: Tensor, col: Tensor, shape: tuple[int, int]) -> Tensor:
+    """A :class:`SparseEmbedding` forward as ``torch.fx.symbolic_trace`` records it when it traces
+    the layer itself: one call taking the layer's tensors (``shape``: the table's)."""
+    topology = traced_topology(row, col, shape)
+    output = embedding_lookup(values, row, col, topology.rowptr, ids.reshape(-1).long(), shape[1])
+    return output.view(*ids.shape, shape[1])
+
+
 def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topology:
     """The topology of ``row``/``col`` as a traced program computes it: the index data from
     :func:`topology_index_data`, which the program records as one op."""
@@ -54,6 +63,7 @@ def fx_layer_forward(layer: SparseLinear, x: Tensor, *args) -> Tensor:
 # symbolic_trace records calls to these instead of tracing into them
 torch.fx.wrap("fx_sparse_linear")
 torch.fx.wrap("fx_sparse_linear_transposed")
+torch.fx.wrap("fx_sparse_embedding")
 torch.fx.wrap("fx_layer_forward")
 
 

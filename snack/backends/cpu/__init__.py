@@ -40,7 +40,7 @@ _SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp", "depthwise_kernels.cpp",
-        "plane_kernels.cpp",
+        "plane_kernels.cpp", "embedding_kernels.cpp",
     )
 )
 _HEADERS = (Path(__file__).with_name("conv_walk.h"),)  # included by the sources: part of the cache key

@@ -1,0 +1,217 @@
+"""``SparseEmbedding``, a truly sparse drop-in for ``nn.Embedding``."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms
+from snack.func import transforms_active
+from snack.nn import tracing
+from snack.nn.layer import SparseLinear, _reject_meta
+from snack.topology import MAX_INDEX, coo_from_dense
+
+__all__ = ["SparseEmbedding"]
+
+# nn.Embedding options whose behaviour a sparse table does not have (see SparseEmbedding.from_dense)
+_UNSUPPORTED_OPTIONS = {
+    "padding_idx": None,  # a row kept at zero and never trained: rewiring would grow connections into it
+    "max_norm": None,  # renormalises the looked-up rows in place
+    "scale_grad_by_freq": False,
+    "sparse": False,  # torch.sparse gradients: snack's already are one value per connection
+}
+
+
+class SparseEmbedding(SparseLinear):
+    """``nn.Embedding`` with a sparse table that stores only its ``nnz`` connections.
+
+    Input: integer token ids ``(*)``; output ``(*, embedding_dim)``, row ``t`` of the
+    ``(num_embeddings, embedding_dim)`` table for each id ``t``, zeros off its connections. The
+    table is kept as every snack layer keeps its weight: buffers ``row`` (the token), ``col`` (the
+    feature, ``(nnz,)`` int32, sorted) and the parameter ``values`` ``(nnz,)``. A lookup touches only
+    the connections of the ids it reads, and its backward gives ``values`` a gradient of ``nnz``
+    elements: no ``num_embeddings × embedding_dim`` tensor is built (``nn.Embedding``'s backward
+    forms one, and its optimizer state is as large) unless :meth:`to_dense` is called.
+
+    It is a :class:`SparseLinear` with ``out_features = num_embeddings`` and ``in_features =
+    embedding_dim`` (its weight is the table, as ``nn.Embedding.weight`` is), so the dynamic sparse
+    training algorithms of :mod:`snack.dst` rewire it like any other layer (RigL scores it from the
+    ids and output gradients of the step: ``∂L/∂E[t] = Σ dY`` over the positions holding ``t``),
+    and ``state_dict``, ``set_topology`` and :func:`snack.densify` work as for a linear layer.
+
+    Initialisation keeps the output variance of ``nn.Embedding``, whose entries are ``N(0, 1)``:
+    a row holds on average ``fan = nnz / num_embeddings`` of its ``embedding_dim`` features, so
+    ``values ~ N(0, embedding_dim / fan)``. The topology is drawn uniformly at random over the
+    table, so rows hold different numbers of connections (at high sparsity some none: such a token
+    embeds as zeros until rewiring gives it connections).
+
+    Args:
+        num_embeddings: size of the vocabulary (ids run from 0 to ``num_embeddings - 1``).
+        embedding_dim: size of each embedding.
+        sparsity: fraction of zero entries in ``[0, 1)``; ``round((1 - sparsity) · num_embeddings ·
+            embedding_dim)`` connections (at least one).
+        device, dtype: of ``values`` (indices are int32 on ``device``).
+
+    ``nn.Embedding``'s ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no
+    counterpart (:meth:`from_dense` refuses a layer that sets them). Use :meth:`from_dense` to keep
+    the largest entries of an ``nn.Embedding``, or ``snack.sparsify(model, embeddings=True)``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        sparsity: float = 0.9,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        _check_sizes(num_embeddings, embedding_dim)
+        super().__init__(embedding_dim, num_embeddings, False, sparsity=sparsity, device=device, dtype=dtype)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.out_features
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.in_features
+
+    @classmethod
+    def from_dense(
+        cls, embedding_or_weight: nn.Embedding | Tensor, *, sparsity: float | None = None
+    ) -> SparseEmbedding:
+        """A sparse embedding holding the non-zeros of an ``nn.Embedding`` or of a
+        ``(num_embeddings, embedding_dim)`` table.
+
+        Args:
+            embedding_or_weight: an ``nn.Embedding`` (without ``padding_idx``, ``max_norm``,
+                ``scale_grad_by_freq`` or ``sparse``, which a sparse table does not have) or its
+                weight.
+            sparsity: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
+                largest-magnitude ``round((1 - sparsity) · num_embeddings · embedding_dim)`` entries.
+
+        The result lives on the weight's device and dtype; ``values`` is a copy.
+        """
+        if isinstance(embedding_or_weight, nn.Embedding):
+            unsupported = unsupported_options(embedding_or_weight)
+            if unsupported:
+                raise ValueError(
+                    f"embedding_or_weight: SparseEmbedding has no counterpart of nn.Embedding's {unsupported}"
+                )
+            weight = embedding_or_weight.weight
+        elif isinstance(embedding_or_weight, Tensor):
+            weight = embedding_or_weight
+        else:
+            raise TypeError(
+                f"embedding_or_weight must be an nn.Embedding or a Tensor, got {type(embedding_or_weight).__name__}"
+            )
+        if weight.dim() != 2:
+            raise ValueError(
+                f"embedding_or_weight: the table must be (num_embeddings, embedding_dim), got {tuple(weight.shape)}"
+            )
+        _reject_meta(weight.device)
+        row, col, values = coo_from_dense(weight, sparsity)
+        num_embeddings, embedding_dim = weight.shape
+        return cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
+
+    def reset_parameters(self) -> None:
+        """Re-draw ``values`` as ``N(0, embedding_dim / fan)`` (class docstring); a layer built on
+        the meta device and materialised since first draws its topology."""
+        super().reset_parameters()  # (draws the topology where it must, and values we replace)
+        with torch.no_grad():
+            self.values.normal_(0.0, self._init_std)
+
+    @property
+    def _init_std(self) -> float:
+        return math.sqrt(self.embedding_dim / max(1.0, self.nnz / self.num_embeddings))
+
+    def _random_initial_values(self, count: int, generator: torch.Generator) -> Tensor:
+        return torch.randn(count, generator=generator, dtype=torch.float64) * self._init_std
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``input (*)`` integer ids in ``[0, num_embeddings)`` → ``(*, embedding_dim)`` in the
+        layer's dtype (under ``torch.autocast`` too, as ``nn.Embedding``'s)."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_forward(input)
+        if not isinstance(input, Tensor):
+            raise TypeError(f"SparseEmbedding expects a Tensor of token ids, got {type(input).__name__}")
+        if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
+            raise TypeError(f"SparseEmbedding: input must hold integer ids (int64 or int32), got dtype {input.dtype}")
+        values, _, topology = self._consistent_state()
+        if input.device != values.device:
+            raise ValueError(f"SparseEmbedding: input is on {input.device} but the layer is on {values.device}")
+        ids = input.reshape(-1).long()
+        if transforms_active():  # torch.func (vmap may batch the ids: no data-dependent check)
+            lookup = embedding_lookup_for_transforms
+        else:
+            lookup = embedding_lookup
+            if not (torch.compiler.is_compiling() or tracing.program_tracing()):
+                self._check_ids(ids)
+        output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
+        return output.view(*input.shape, self.embedding_dim)
+
+    def _check_ids(self, ids: Tensor) -> None:
+        """Raise ``IndexError`` (as ``nn.Embedding`` does) for an id outside ``[0, num_embeddings)``:
+        the lookup would read out of bounds (one reduction, and a sync on a GPU)."""
+        if ids.numel() == 0:
+            return
+        low, high = torch.aminmax(ids)
+        if low < 0 or high >= self.num_embeddings:
+            bad = int(low) if low < 0 else int(high)
+            raise IndexError(
+                f"SparseEmbedding(num_embeddings={self.num_embeddings}): input holds id {bad}, outside "
+                f"[0, {self.num_embeddings - 1}]"
+            )
+
+    def _fx_root_forward(self, input):
+        return tracing.fx_sparse_embedding(input, self.values, self.row, self.col, (self.num_embeddings,
+                                                                                     self.embedding_dim))
+
+    # ------------------------------------------------------------------ records for RigL
+
+    def _record_of_input(self, x: Tensor) -> Tensor:
+        """The ids ``(N,)`` (int64, a copy): with the output gradient's rows they are the table's
+        gradient (:func:`snack.dst.prune_grow.gradient_grow` scores them without it)."""
+        return x.reshape(-1).long().clone()
+
+    def _rows_of_output(self, y: Tensor) -> Tensor:
+        return y.reshape(-1, self.embedding_dim)
+
+    @property
+    def _output_width(self) -> int:
+        return self.embedding_dim
+
+    def _empty_records(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.empty(0, dtype=torch.int64, device=values.device), values.new_empty(0, self.embedding_dim)
+
+    # ------------------------------------------------------------------ conversion
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, nnz={self.nnz}, "
+            f"sparsity={self.sparsity:.4f}"
+        )
+
+
+def unsupported_options(embedding: nn.Embedding) -> str:
+    """The options ``embedding`` sets that :class:`SparseEmbedding` has no counterpart of (``""``
+    if none), as ``name=value, ...``."""
+    return ", ".join(
+        f"{name}={getattr(embedding, name)!r}"
+        for name, default in _UNSUPPORTED_OPTIONS.items()
+        if getattr(embedding, name) != default
+    )
+
+
+def _check_sizes(num_embeddings, embedding_dim) -> None:
+    for name, size in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"SparseEmbedding: {name} must be an int, got {type(size).__name__} {size!r}")
+        if not 0 < size <= MAX_INDEX:
+            raise ValueError(f"SparseEmbedding: {name} must be in [1, {MAX_INDEX}], got {size}")

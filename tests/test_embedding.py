@@ -1,0 +1,433 @@
+"""SparseEmbedding and its ops: against ``F.embedding`` on the dense table, gradients included."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import check_topology_invariants
+from test_truly_sparse import LargestTensorMode
+from torch import nn
+
+import snack
+from snack.dst.prune_grow import gradient_grow, random_grow
+from snack.embedding_ops import embedding_lookup, embedding_values_grad
+
+
+def _embedding(num_embeddings=40, embedding_dim=12, sparsity=0.7, *, empty_rows=(), dtype=torch.float64):
+    table = torch.randn(num_embeddings, embedding_dim, dtype=dtype)
+    table[list(empty_rows)] = 0
+    return snack.SparseEmbedding.from_dense(table * (torch.rand(table.shape) >= sparsity))
+
+
+def _dense_lookup_and_grad(layer: snack.SparseEmbedding, ids: torch.Tensor, grad_out: torch.Tensor):
+    """``(y, dvalues)`` of ``F.embedding`` on the dense table, the gradient read at the connections."""
+    table = layer.to_dense().detach().requires_grad_()
+    y = F.embedding(ids, table)
+    (grad,) = torch.autograd.grad(y, table, grad_out)
+    return y.detach(), grad[layer.row.long(), layer.col.long()]
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (2, 3, 4), ()])
+def test_lookup_and_gradient_match_dense_math(shape):
+    layer = _embedding(empty_rows=(0, 5))
+    ids = torch.randint(0, layer.num_embeddings, shape)
+    ids.view(-1)[:1] = 5  # an empty row, looked up
+    y = layer(ids)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    expected_y, expected_grad = _dense_lookup_and_grad(layer, ids, grad_out)
+    assert y.shape == (*shape, layer.embedding_dim)
+    assert torch.equal(y, expected_y)
+    torch.testing.assert_close(layer.values.grad, expected_grad)
+
+
+def test_repeated_ids_add_their_gradients_and_ids_not_read_get_none():
+    layer = _embedding(10, 6, 0.0)
+    ids = torch.tensor([3, 3, 3, 7])
+    layer(ids).sum().backward()
+    by_row = layer.values.grad.view(10, 6)  # every entry is a connection at sparsity 0
+    assert torch.equal(by_row[3], torch.full((6,), 3.0, dtype=torch.float64))
+    assert torch.equal(by_row[7], torch.ones(6, dtype=torch.float64))
+    assert by_row[[0, 1, 2, 4, 5, 6, 8, 9]].abs().sum() == 0
+
+
+def test_gradcheck_float64():
+    layer = _embedding(9, 5, 0.5, empty_rows=(2,))
+    ids = torch.tensor([[2, 0, 8], [8, 8, 1]])
+    topology = layer.topology
+    operands = (topology.row, topology.col, topology.rowptr)
+    values = layer.values.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda v: embedding_lookup(v, *operands, ids.view(-1), 5), (values,)
+    )
+
+
+def test_the_ops_pass_opcheck():
+    layer = _embedding(9, 5, 0.5, dtype=torch.float32)
+    topology, ids = layer.topology, torch.tensor([1, 4, 4, 0, 8])
+    operands = (topology.row, topology.col, topology.rowptr)
+    values = layer.values.detach().clone().requires_grad_()
+    torch.library.opcheck(embedding_lookup, (values, *operands, ids, 5))
+    torch.library.opcheck(embedding_values_grad, (torch.randn(5, 5), *operands, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_native_kernels_match_the_torch_calls_and_dense_math(dtype):
+    """The CPU's kernels (embedding_kernels.cpp) against the torch calls that run elsewhere, on
+    repeated ids, empty rows and odd sizes; gradients against float64 dense math (the two sum in
+    other orders, and the torch calls in the values' dtype)."""
+    layer = _embedding(301, 33, 0.8, empty_rows=(0, 7)).to(dtype)
+    ids = torch.cat([torch.randint(0, 301, (500,)), torch.tensor([7, 7, 7, 0, 300, 300])])
+    topology, values = layer.topology, layer.values.detach()
+    operands = (topology.row, topology.col, topology.rowptr)
+    grad = torch.randn(ids.numel(), 33).to(dtype)
+    native = embedding_lookup(values, *operands, ids, 33)
+    native_grad = embedding_values_grad(grad, *operands, ids)
+    assert torch.equal(native, torch.ops.snack_cpu.embedding_lookup(values, topology.rowptr, topology.col, ids, 33))
+    with snack.use_backend("reference"):
+        in_torch = embedding_lookup(values, *operands, ids, 33)
+        torch_grad = embedding_values_grad(grad, *operands, ids)
+    assert torch.equal(native, in_torch) and torch.equal(native, F.embedding(ids, layer.to_dense().detach()))
+    table = layer.to_dense().detach().double().requires_grad_()
+    (expected,) = torch.autograd.grad(F.embedding(ids, table), table, grad.double())
+    expected = expected[layer.row.long(), layer.col.long()]
+    tolerance = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(native_grad.double(), expected, **tolerance)
+    torch.testing.assert_close(torch_grad.double(), expected, **tolerance)
+
+
+def test_native_kernels_refuse_ids_out_of_range():
+    layer = _embedding(10, 4)
+    topology = layer.topology
+    for ids in (torch.tensor([3, 10]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="ids must lie in \\[0, 10\\)"):
+            torch.ops.snack_cpu.embedding_lookup(layer.values.detach(), topology.rowptr, topology.col, ids, 4)
+        with pytest.raises(RuntimeError, match="ids must lie in \\[0, 10\\)"):
+            torch.ops.snack_cpu.embedding_values_grad(torch.randn(ids.numel(), 4), topology.rowptr, topology.col, ids)
+
+
+def test_no_connections_and_no_ids():
+    layer = snack.SparseEmbedding.from_dense(torch.zeros(6, 4))
+    assert layer.nnz == 0
+    y = layer(torch.tensor([1, 5]))
+    assert torch.equal(y, torch.zeros(2, 4))
+    y.sum().backward()
+    assert layer.values.grad.shape == (0,)
+    nothing = _embedding(6, 4, 0.5)(torch.empty(0, 3, dtype=torch.int64))
+    assert nothing.shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_16_bit_values_and_int32_ids(dtype):
+    layer = _embedding(dtype=torch.float32).to(dtype)
+    ids = torch.randint(0, layer.num_embeddings, (4, 6), dtype=torch.int32)
+    y = layer(ids)
+    assert y.dtype == dtype
+    assert torch.equal(y, F.embedding(ids.long(), layer.to_dense().detach()))
+
+
+def test_output_under_autocast_keeps_the_tables_dtype_as_nn_embedding_does():
+    layer = _embedding(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(torch.tensor([1, 2]))
+        dense = nn.Embedding(3, 4)(torch.tensor([1, 2]))
+    assert y.dtype == dense.dtype == torch.float32
+
+
+def test_construction_size_sparsity_and_initial_variance():
+    layer = snack.SparseEmbedding(2000, 64, sparsity=0.9)
+    check_topology_invariants(layer, round(0.1 * 2000 * 64))
+    assert (layer.num_embeddings, layer.embedding_dim, layer.bias) == (2000, 64, None)
+    assert layer.values.requires_grad and layer.row.dtype == torch.int32
+    # nn.Embedding's output entries have variance 1; so have these, on average over the table
+    output = layer(torch.arange(2000))
+    assert 0.9 < output.var().item() < 1.1
+    assert "num_embeddings=2000, embedding_dim=64" in repr(layer)
+
+
+def test_from_dense_keeps_the_largest_entries_and_to_dense_is_the_table():
+    dense = nn.Embedding(30, 8)
+    layer = snack.SparseEmbedding.from_dense(dense, sparsity=0.75)
+    table = layer.to_dense()
+    assert table.shape == (30, 8) and layer.nnz == 60
+    kept = table != 0
+    assert torch.equal(table[kept], dense.weight.detach()[kept])
+    assert dense.weight.detach().abs()[kept].min() >= dense.weight.detach().abs()[~kept].max()
+
+
+def test_state_dict_round_trip_across_nnz():
+    source, target = _embedding(sparsity=0.5), _embedding(sparsity=0.9)
+    target.load_state_dict(source.state_dict())
+    ids = torch.randint(0, 40, (9,))
+    assert torch.equal(target(ids), source(ids)) and target.nnz == source.nnz
+
+
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        (torch.tensor([0.0, 1.0]), TypeError, "integer ids"),
+        (torch.tensor([True]), TypeError, "integer ids"),
+        (torch.tensor([0, 40]), IndexError, "id 40, outside \\[0, 39\\]"),
+        (torch.tensor([-1, 3]), IndexError, "id -1"),
+        ([1, 2], TypeError, "Tensor of token ids"),
+    ],
+)
+def test_bad_ids_raise_and_change_nothing(ids, error, match):
+    layer = _embedding()
+    before = copy.deepcopy(layer.state_dict())
+    with pytest.raises(error, match=match):
+        layer(ids)
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "arguments, error, match",
+    [
+        ((0, 4), ValueError, "num_embeddings must be in"),
+        ((4, 2.5), TypeError, "embedding_dim must be an int"),
+        ((4, True), TypeError, "embedding_dim must be an int"),
+    ],
+)
+def test_bad_sizes_raise(arguments, error, match):
+    with pytest.raises(error, match=match):
+        snack.SparseEmbedding(*arguments)
+
+
+def test_from_dense_refuses_what_a_sparse_table_lacks():
+    for options in (dict(padding_idx=0), dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
+        with pytest.raises(ValueError, match=f"no counterpart of nn.Embedding's {next(iter(options))}"):
+            snack.SparseEmbedding.from_dense(nn.Embedding(5, 3, **options))
+    with pytest.raises(ValueError, match="must be \\(num_embeddings, embedding_dim\\)"):
+        snack.SparseEmbedding.from_dense(torch.randn(5, 3, 2))
+    with pytest.raises(TypeError, match="nn.Embedding or a Tensor"):
+        snack.SparseEmbedding.from_dense(nn.Linear(3, 5))
+
+
+def test_no_table_sized_tensor_in_a_training_step_and_a_rigl_update():
+    layer = snack.SparseEmbedding(20_000, 256, sparsity=0.99)
+    optimizer = torch.optim.Adam(layer.parameters())
+    dst = snack.dst.RigL(layer, optimizer, update_every=1, total_steps=10)
+    with LargestTensorMode() as mode:
+        layer(torch.randint(0, 20_000, (4, 64))).square().sum().backward()
+        optimizer.step()
+        assert dst.step()
+    # the table has 5.1e6 entries; RigL scores blocks of at most 2**20 (4,096 rows), and the
+    # largest other tensor is the (256 ids, 256) output
+    assert 256 * 256 <= mode.largest <= 2**20, f"{mode.largest_op} produced {mode.largest} elements"
+
+
+def test_compiled_model_matches_eager():
+    torch._dynamo.reset()
+    model = nn.Sequential(snack.SparseEmbedding(30, 8, sparsity=0.6), nn.Linear(8, 30))
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True)
+    ids = torch.randint(0, 30, (3, 5))
+    y, expected = compiled(ids), twin(ids)
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(model[0].values.grad, twin[0].values.grad)
+
+
+# --------------------------------------------------------------------- sparsify, densify
+
+
+def _language_model():
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))
+
+
+def test_sparsify_converts_embeddings_only_when_asked():
+    model = snack.sparsify(_language_model(), 0.9)
+    assert type(model[0]) is nn.Embedding and isinstance(model[1], snack.SparseLinear)
+    dense = _language_model()
+    table = dense[0].weight.detach().clone()
+    model = snack.sparsify(dense, 0.9, embeddings=True)
+    assert isinstance(model[0], snack.SparseEmbedding) and model[0].nnz == 80
+    kept = model[0].to_dense() != 0
+    assert torch.equal(model[0].to_dense()[kept], table[kept])
+    with pytest.raises(TypeError, match="embeddings must be a bool"):
+        snack.sparsify(_language_model(), embeddings="yes")
+
+
+def test_sparsify_random_init_and_erk_weigh_the_table_by_its_shape():
+    model = snack.sparsify(_language_model(), 0.9, embeddings=True, init="random", distribution="erk")
+    assert isinstance(model[0], snack.SparseEmbedding)
+    assert model[0].nnz + model[1].nnz == round(0.1 * 2 * 50 * 16)
+
+
+def test_sparsify_leaves_tied_and_padded_embeddings_dense_with_a_warning():
+    padded = nn.Sequential(nn.Embedding(50, 16, padding_idx=0), nn.Linear(16, 50))
+    with pytest.warns(UserWarning, match="nn.Embedding layer\\(s\\) dense: 0 \\(padding_idx=0\\)"):
+        snack.sparsify(padded, embeddings=True)
+    assert type(padded[0]) is nn.Embedding
+    tied = _language_model()
+    tied[1].weight = tied[0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        snack.sparsify(tied, embeddings=True)  # (and: converted no layer)
+    assert any("tied to another module's: 0 (with 1), 1 (with 0)" in str(w.message) for w in caught)
+    assert type(tied[0]) is nn.Embedding and type(tied[1]) is nn.Linear
+
+
+def test_densify_gives_back_an_equal_nn_embedding():
+    model = snack.sparsify(_language_model(), 0.8, embeddings=True)
+    model[0].values.requires_grad_(False)
+    ids = torch.randint(0, 50, (4, 7))
+    expected = model[0](ids)
+    snack.densify(model)
+    assert type(model[0]) is nn.Embedding and not model[0].weight.requires_grad
+    assert torch.equal(model[0](ids), expected)
+
+
+# --------------------------------------------------------------------- dynamic sparse training
+
+
+def test_gradient_grow_from_ids_equals_the_one_hot_product():
+    """The table's gradient from ids equals ``one_hot(ids)ᵀ · dY``, which gradient_grow scores as a
+    linear layer's ``dYᵀ·X`` with X = dY and the one-hot rows as the output gradient; small blocks
+    make it sample a bar from strided rows."""
+    layer = _embedding(300, 7, 0.8)
+    ids = torch.randint(0, 120, (64,))  # rows 120.. never looked up: zero gradient
+    dy = torch.randn(64, 7, dtype=torch.float64)
+    one_hot = F.one_hot(ids, 300).to(torch.float64)
+    for block_elements in (7, 70, 2**20):
+        grown = gradient_grow(ids, dy, layer.topology, 50, block_elements=block_elements)
+        expected = gradient_grow(dy, one_hot, layer.topology, 50, block_elements=block_elements)
+        assert torch.equal(grown, expected)
+    gradient = (one_hot.t() @ dy).view(-1)
+    gradient[(layer.row.long() * 7 + layer.col.long())] = -1
+    assert set(grown.tolist()) == set(gradient.abs().topk(50).indices.tolist())
+
+
+def test_gradient_grow_from_ids_refuses_mismatched_records():
+    layer = _embedding(30, 7)
+    with pytest.raises(ValueError, match="ids must be \\(N,\\) and dy \\(N, 7\\)"):
+        gradient_grow(torch.tensor([1, 2]), torch.randn(3, 7), layer.topology, 2)
+    with pytest.raises(ValueError, match="ids must be in \\[0, 29\\]"):
+        gradient_grow(torch.tensor([30]), torch.randn(1, 7), layer.topology, 2)
+
+
+@pytest.mark.parametrize("algorithm", ["RigL", "SET", "MEST"])
+def test_dst_rewires_the_embedding(algorithm):
+    model = snack.sparsify(_language_model(), 0.9, embeddings=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dst = getattr(snack.dst, algorithm)(model, optimizer, update_every=1, total_steps=10, drop_fraction=0.3)
+    ids = torch.randint(0, 50, (4, 9))
+    before = model[0].indices().clone()
+    loss = F.cross_entropy(model(ids).view(-1, 50), ids.view(-1))
+    loss.backward()
+    optimizer.step()
+    assert dst.step()
+    embedding = model[0]
+    check_topology_invariants(embedding, embedding.nnz)
+    assert not torch.equal(embedding.indices(), before)
+    y = model(ids)  # and it trains on
+    y.sum().backward()
+    assert embedding.values.grad.shape == (embedding.nnz,)
+
+
+def test_rigl_grows_where_the_embeddings_gradient_is_largest():
+    model = snack.sparsify(_language_model(), 0.9, embeddings=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step changes no value
+    dst = snack.dst.RigL(model, optimizer, update_every=1, total_steps=10, drop_fraction=0.25, layers=["0"])
+    embedding = model[0]
+    ids = torch.randint(0, 50, (4, 9))
+    table = embedding.to_dense().detach().requires_grad_()
+    loss = F.cross_entropy(model[1](F.embedding(ids, table)).view(-1, 50), ids.view(-1))
+    (gradient,) = torch.autograd.grad(loss, table)
+    before = set((embedding.row.long() * 16 + embedding.col.long()).tolist())
+    F.cross_entropy(model(ids).view(-1, 50), ids.view(-1)).backward()
+    optimizer.step()
+    dst.step()
+    after = set((embedding.row.long() * 16 + embedding.col.long()).tolist())
+    grown = after - before
+    assert len(grown) == len(before - after) > 0
+    scores = gradient.abs().view(-1)
+    free_not_grown = [p for p in range(50 * 16) if p not in before and p not in grown]
+    assert scores[list(grown)].min() >= scores[free_not_grown].max()
+
+
+def test_recorded_batch_of_an_embedding_is_its_ids_and_output_gradient():
+    seen = {}
+
+    class Recording(snack.dst.DropGrow):
+        needs_gradient = True
+
+        def grow(self, layer, k):
+            seen[type(layer).__name__] = self.recorded_batch(layer)
+            return random_grow(layer.topology, k, self.generator)
+
+    model = snack.sparsify(_language_model(), 0.9, embeddings=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = Recording(model, optimizer, update_every=1, total_steps=10)
+    ids = torch.randint(0, 50, (3, 4))
+    output = model[0](ids)
+    model[1](output).sum().backward()
+    dst.step()
+    recorded_ids, dy = seen["SparseEmbedding"]
+    assert torch.equal(recorded_ids, ids.view(-1)) and dy.shape == (12, 16)
+
+
+def test_random_grow_init_draws_the_embeddings_own_distribution():
+    layer = snack.SparseEmbedding(100, 20, sparsity=0.9)
+    draws = layer._random_initial_values(200_000, torch.Generator().manual_seed(0))
+    assert abs(draws.std().item() - layer._init_std) < 0.02 * layer._init_std
+    assert layer._init_std == pytest.approx((20 / 2.0) ** 0.5)
+
+
+def test_no_warnings_in_a_plain_training_step():
+    layer = _embedding(dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+
+
+# --------------------------------------------------------------------- programs and transforms
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+def test_traced_exported_and_fx_programs_match_eager():
+    model = nn.Sequential(snack.SparseEmbedding(30, 8, sparsity=0.5), nn.Linear(8, 3))
+    ids = torch.randint(0, 30, (2, 5))
+    expected = model(ids)
+    assert torch.equal(torch.fx.symbolic_trace(model)(ids), expected)
+    assert torch.equal(torch.fx.symbolic_trace(model[0])(ids), model[0](ids))  # the layer as the root
+    assert torch.equal(torch.export.export(model, (ids,)).module()(ids), expected)
+    assert torch.equal(torch.jit.trace(model, (ids,))(ids), expected)
+
+
+def test_torch_func_grad_per_sample_vmap_and_jvp():
+    layer = _embedding(30, 8, 0.5)
+    ids = torch.randint(0, 30, (4, 5))
+    params = {"values": layer.values.detach()}
+
+    def loss(parameters, batch):
+        return torch.func.functional_call(layer, parameters, (batch,)).square().sum()
+
+    whole = torch.func.grad(loss)(params, ids)["values"]
+    torch.testing.assert_close(whole, torch.autograd.grad(loss({"values": layer.values}, ids), layer.values)[0])
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)["values"]
+    for k in range(4):
+        torch.testing.assert_close(per_sample[k], torch.func.grad(loss)(params, ids[k : k + 1])["values"])
+    assert torch.equal(torch.func.vmap(layer)(ids), layer(ids))
+    tangent = torch.randn_like(layer.values)
+    _, derivative = torch.func.jvp(
+        lambda v: torch.func.functional_call(layer, {"values": v}, (ids,)), (params["values"],), (tangent,)
+    )
+    torch.testing.assert_close(derivative, torch.func.functional_call(layer, {"values": tangent}, (ids,)))
+
+
+def test_averaged_model_follows_a_rewired_embedding():
+    model = snack.sparsify(_language_model(), 0.9, embeddings=True)
+    averaged = snack.AveragedModel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = snack.dst.SET(model, optimizer, update_every=1, total_steps=10)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    optimizer.step()
+    dst.step()
+    averaged.update_parameters(model)
+    assert torch.equal(averaged.module[0].indices(), model[0].indices())
