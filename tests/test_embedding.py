@@ -273,6 +273,24 @@ def test_sparsify_leaves_tied_and_padded_embeddings_dense_with_a_warning():
     assert type(tied[0]) is nn.Embedding and type(tied[1]) is nn.Linear
 
 
+def test_sparsify_converts_gpt2s_position_embedding_and_leaves_its_tied_token_embedding_dense():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    with pytest.warns(UserWarning, match=r"transformer.wte \(with lm_head\)"):
+        snack.sparsify(model, sparsity=0.0, embeddings=True)  # every non-zero kept: the same model
+    assert isinstance(model.transformer.wpe, snack.SparseEmbedding) and type(model.transformer.wte) is nn.Embedding
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
+    model.train()
+    model(tokens, labels=tokens).loss.backward()
+    assert model.transformer.wpe.values.grad.shape == (16 * 32,)
+
+
 def test_densify_gives_back_an_equal_nn_embedding():
     model = snack.sparsify(_language_model(), 0.8, embeddings=True)
     model[0].values.requires_grad_(False)
