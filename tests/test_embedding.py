@@ -197,6 +197,11 @@ def test_bad_sizes_raise(arguments, error, match):
         snack.SparseEmbedding(*arguments)
 
 
+def test_reading_weight_says_what_to_use():
+    with pytest.raises(AttributeError, match="SparseEmbedding has no dense weight.*back into nn.Embedding"):
+        _embedding().weight
+
+
 def test_from_dense_refuses_what_a_sparse_table_lacks():
     for options in (dict(padding_idx=0), dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
         with pytest.raises(ValueError, match=f"no counterpart of nn.Embedding's {next(iter(options))}"):

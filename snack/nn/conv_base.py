@@ -189,13 +189,8 @@ class _SparseConvNd(SparseLinear):
         """The dense weight, of the dense layer's shape (:meth:`_weight_shape`; differentiable in ``values``)."""
         return super().to_dense().view(self.out_features, -1, *self.kernel_size)
 
-    def __getattr__(self, name: str):
-        try:
-            return nn.Module.__getattr__(self, name)
-        except AttributeError:
-            if name != "weight":
-                raise
-        raise AttributeError(
+    def _no_weight_message(self) -> str:
+        return (
             f"{type(self).__name__} has no dense weight: it holds `values` at (`row`, `col`) of the flattened kernel; "
             f"`to_dense()` builds the {self._weight_shape()} weight, snack.densify(model) turns the layers back into "
             f"nn.{self._dense_class.__name__}"

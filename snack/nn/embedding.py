@@ -173,6 +173,13 @@ class SparseEmbedding(SparseLinear):
         return tracing.fx_sparse_embedding(input, self.values, self.row, self.col, (self.num_embeddings,
                                                                                      self.embedding_dim))
 
+    def _no_weight_message(self) -> str:
+        return (
+            "SparseEmbedding has no dense weight: it holds `values` at (`row`, `col`); `to_dense()` builds the "
+            "(num_embeddings, embedding_dim) table, snack.densify(model) turns the layers back into nn.Embedding. "
+            "(A head tied to the table, lm_head.weight = embedding.weight, needs both dense.)"
+        )
+
     # ------------------------------------------------------------------ records for RigL
 
     def _record_of_input(self, x: Tensor) -> Tensor:

@@ -374,8 +374,12 @@ class SparseLinear(nn.Module):
         except AttributeError:
             if name != "weight":
                 raise
-        # code written for nn.Linear (loggers, nn.TransformerEncoderLayer's eval fast path)
-        raise AttributeError(
+        raise AttributeError(self._no_weight_message())
+
+    def _no_weight_message(self) -> str:
+        """Why reading ``.weight`` fails, for code written for ``nn.Linear`` (loggers,
+        ``nn.TransformerEncoderLayer``'s eval fast path)."""
+        return (
             "SparseLinear has no dense weight: it holds `values` at (`row`, `col`); `to_dense()` builds the "
             "(out_features, in_features) weight, snack.densify(model) turns the layers back into nn.Linear. "
             "(nn.TransformerEncoderLayer reads .weight in its eval fast path: "
