@@ -149,6 +149,16 @@ def test_construction_size_sparsity_and_initial_variance():
     assert "num_embeddings=2000, embedding_dim=64" in repr(layer)
 
 
+def test_built_on_meta_it_draws_its_topology_once_materialised():
+    layer = snack.SparseEmbedding(300, 16, sparsity=0.75, device="meta")
+    with pytest.raises(RuntimeError, match="SparseEmbedding\\(300, 16\\) was built on the meta device"):
+        layer(torch.tensor([1], device="meta"))
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    check_topology_invariants(layer, 1200)
+    assert layer(torch.tensor([[3, 299]])).shape == (1, 2, 16)
+
+
 def test_from_dense_keeps_the_largest_entries_and_to_dense_is_the_table():
     dense = nn.Embedding(30, 8)
     layer = snack.SparseEmbedding.from_dense(dense, sparsity=0.75)

@@ -173,6 +173,9 @@ class SparseEmbedding(SparseLinear):
         return tracing.fx_sparse_embedding(input, self.values, self.row, self.col, (self.num_embeddings,
                                                                                      self.embedding_dim))
 
+    def _sizes_repr(self) -> str:
+        return f"SparseEmbedding({self.num_embeddings}, {self.embedding_dim})"
+
     def _no_weight_message(self) -> str:
         return (
             "SparseEmbedding has no dense weight: it holds `values` at (`row`, `col`); `to_dense()` builds the "

@@ -265,7 +265,7 @@ class SparseLinear(nn.Module):
                     cached = Topology(row, col, (self.out_features, self.in_features))
                 except (ValueError, TypeError) as error:
                     raise type(error)(
-                        f"SparseLinear({self.in_features}, {self.out_features}): its row/col buffers are not a valid "
+                        f"{self._sizes_repr()}: its row/col buffers are not a valid "
                         f"topology ({error}); they were changed or replaced (after to_empty() they hold uninitialised "
                         "memory: load a state_dict or call set_topology)"
                     ) from error
@@ -273,10 +273,14 @@ class SparseLinear(nn.Module):
                 self._topology_key = _buffers_key(row, col)
             return cached
 
+    def _sizes_repr(self) -> str:
+        """The layer as its constructor's sizes, for messages: ``SparseLinear(in, out)``."""
+        return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
     def _refuse_undrawn_topology(self) -> None:
         where = "on the meta device" if self.row.device.type == "meta" else "materialised by to_empty()"
         raise RuntimeError(
-            f"{type(self).__name__}({self.in_features}, {self.out_features}) was built on the meta device and has no "
+            f"{self._sizes_repr()} was built on the meta device and has no "
             f"topology yet ({where}): after model.to_empty(device=...), call reset_parameters() to draw one (e.g. "
             "model.apply(lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') else None)) or "
             "load_state_dict() a saved one"
