@@ -207,6 +207,12 @@ def test_bad_sizes_raise(arguments, error, match):
         snack.SparseEmbedding(*arguments)
 
 
+def test_values_of_another_length_are_refused():
+    layer = _embedding()
+    with pytest.raises(ValueError, match=f"values must have shape \\({layer.nnz},\\), got \\(3,\\)"):
+        torch.func.functional_call(layer, {"values": torch.zeros(3, dtype=torch.float64)}, (torch.tensor([1]),))
+
+
 def test_reading_weight_says_what_to_use():
     with pytest.raises(AttributeError, match="SparseEmbedding has no dense weight.*back into nn.Embedding"):
         _embedding().weight

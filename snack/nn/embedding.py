@@ -146,6 +146,9 @@ class SparseEmbedding(SparseLinear):
         values, _, topology = self._consistent_state()
         if input.device != values.device:
             raise ValueError(f"SparseEmbedding: input is on {input.device} but the layer is on {values.device}")
+        if torch._C._get_tracing_state() is None and values.shape != (topology.nnz,):
+            # values put in by assignment or torch.func.functional_call: the kernels trust its length
+            raise ValueError(f"SparseEmbedding: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
         ids = input.reshape(-1).long()
         if transforms_active():  # torch.func (vmap may batch the ids: no data-dependent check)
             lookup = embedding_lookup_for_transforms
@@ -186,8 +189,9 @@ class SparseEmbedding(SparseLinear):
     # ------------------------------------------------------------------ records for RigL
 
     def _record_of_input(self, x: Tensor) -> Tensor:
-        """The ids ``(N,)`` (int64, a copy): with the output gradient's rows they are the table's
-        gradient (:func:`snack.dst.prune_grow.gradient_grow` scores them without it)."""
+        """The ids ``(N,)`` (int64, a copy): row ``t`` of the table's gradient is the sum of the
+        output gradient rows of id ``t`` (:func:`snack.dst.prune_grow.gradient_grow` scores them
+        so, a block of rows at a time)."""
         return x.reshape(-1).long().clone()
 
     def _rows_of_output(self, y: Tensor) -> Tensor:
