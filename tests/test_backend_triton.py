@@ -1094,3 +1094,20 @@ def test_a_broken_triton_install_makes_the_backend_unavailable_not_every_op_rais
         backends._LOADED.clear(), backends._LOADED.update(saved["loaded"])
         backends._FAILED.clear(), backends._FAILED.update(saved["failed"])
         backends._RESOLVED.clear()
+
+
+def test_a_sparse_embedding_on_the_device_matches_dense_math():
+    """SparseEmbedding has no Triton kernel: on a GPU (and on the CPU under the forced backend, as
+    here) its lookup and values gradient run torch's index ops. Repeated ids, a 2-D batch."""
+    layer = snack.SparseEmbedding(97, 24, sparsity=0.8, device=DEVICE)
+    ids = torch.randint(0, 97, (5, 13), device=DEVICE)
+    ids[0, :4] = 3
+    grad = torch.randn(5, 13, 24, device=DEVICE)
+    with snack.use_backend("triton"):
+        output = layer(ids)
+        output.backward(grad)
+    table = layer.to_dense().detach().requires_grad_()
+    expected = torch.nn.functional.embedding(ids, table)
+    (table_grad,) = torch.autograd.grad(expected, table, grad)
+    assert torch.equal(output, expected)
+    torch.testing.assert_close(layer.values.grad, table_grad[layer.row.long(), layer.col.long()])
