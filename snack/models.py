@@ -3,8 +3,9 @@
 
 The sparse ones hold the layers ``snack.sparsify(..., distribution=..., init="random")`` makes:
 every linear and convolution layer and attention projection, at per-layer sparsities of the
-distribution at the overall sparsity, with random topologies. Embeddings stay dense (snack has
-no sparse embedding).
+distribution at the overall sparsity, with random topologies. Embeddings stay dense (the GPT's
+tables of 84 characters and 64 positions are small next to its blocks; ``sparsify`` converts
+embeddings only when asked).
 """
 
 from __future__ import annotations
