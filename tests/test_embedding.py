@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import check_topology_invariants
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_truly_sparse import LargestTensorMode
 from torch import nn
 
 import snack
 from snack.dst.prune_grow import gradient_grow, random_grow
-from snack.embedding_ops import embedding_lookup, embedding_values_grad
+from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms, embedding_values_grad
 
 
 def _embedding(num_embeddings=40, embedding_dim=12, sparsity=0.7, *, empty_rows=(), dtype=torch.float64):
@@ -98,6 +100,35 @@ def test_native_kernels_match_the_torch_calls_and_dense_math(dtype):
     tolerance = dict(rtol=0, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(native_grad.double(), expected, **tolerance)
     torch.testing.assert_close(torch_grad.double(), expected, **tolerance)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_embeddings=st.integers(1, 60),
+    embedding_dim=st.integers(1, 40),
+    sparsity=st.sampled_from([0.0, 0.5, 0.9, 0.99]),
+    tokens=st.integers(0, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_native_torch_transforms_and_dense_agree(num_embeddings, embedding_dim, sparsity, tokens, seed):
+    """The three lookups (native kernels, torch calls, the transforms' form) and both gradients
+    against float64 dense math, on random sizes, densities and ids (repeats, an empty batch)."""
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.randn(num_embeddings, embedding_dim, generator=generator, dtype=torch.float64)
+    table *= torch.rand(table.shape, generator=generator) >= sparsity
+    layer = snack.SparseEmbedding.from_dense(table)
+    operands = (layer.topology.row, layer.topology.col, layer.topology.rowptr)
+    ids = torch.randint(0, num_embeddings, (tokens,), generator=generator)
+    grad = torch.randn(tokens, embedding_dim, generator=generator, dtype=torch.float64)
+    values = layer.values.detach()
+    expected = F.embedding(ids, table)
+    (table_grad,) = torch.autograd.grad(F.embedding(ids, table.requires_grad_()), table, grad)
+    expected_grad = table_grad[layer.row.long(), layer.col.long()]
+    for backend in ("cpu", "reference"):
+        with snack.use_backend(backend):
+            assert torch.equal(embedding_lookup(values, *operands, ids, embedding_dim), expected)
+            torch.testing.assert_close(embedding_values_grad(grad, *operands, ids), expected_grad)
+    assert torch.equal(embedding_lookup_for_transforms(values, *operands, ids, embedding_dim), expected)
 
 
 def test_native_kernels_refuse_ids_out_of_range():
