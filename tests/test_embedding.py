@@ -306,9 +306,14 @@ def test_sparsify_converts_embeddings_only_when_asked():
 
 
 def test_sparsify_random_init_and_erk_weigh_the_table_by_its_shape():
-    model = snack.sparsify(_language_model(), 0.9, embeddings=True, init="random", distribution="erk")
-    assert isinstance(model[0], snack.SparseEmbedding)
-    assert model[0].nnz + model[1].nnz == round(0.1 * 2 * 50 * 16)
+    """ERK's density of a (200, 16) table, (200 + 16) / (200 · 16), is under half a (10, 16)
+    head's, (10 + 16) / (10 · 16)."""
+    model = nn.Sequential(nn.Embedding(200, 16), nn.Linear(16, 10))
+    snack.sparsify(model, 0.8, embeddings=True, init="random", distribution="erk")
+    embedding, head = model
+    assert isinstance(embedding, snack.SparseEmbedding)
+    assert embedding.nnz + head.nnz == round(0.2 * (200 * 16 + 16 * 10))
+    assert 1 - embedding.sparsity < 0.5 * (1 - head.sparsity)
 
 
 def test_sparsify_leaves_tied_and_padded_embeddings_dense_with_a_warning():
