@@ -24,7 +24,7 @@ from torch import Tensor
 
 from snack.indexing import native_for
 
-__all__ = ["embedding_lookup", "embedding_lookup_for_transforms", "embedding_values_grad"]
+__all__ = ["embedding_lookup", "embedding_lookup_for_transforms", "embedding_values_grad", "without_padding_gradient"]
 
 
 def _connections_of(indices: Tensor, rowptr: Tensor) -> tuple[Tensor, Tensor]:
@@ -114,3 +114,12 @@ def embedding_lookup_for_transforms(
     picked = torch.where(present, values[positions], 0)
     output = values.new_zeros(*indices.shape, embedding_dim)
     return output.scatter_add(-1, col[positions].long(), picked)
+
+
+def without_padding_gradient(output: Tensor, ids: Tensor, padding_idx: int | None) -> Tensor:
+    """``output (N, embedding_dim)`` of the lookup of ``ids (N,)``, through which the rows of
+    ``padding_idx`` pass no gradient (``nn.Embedding``'s rule: a padding token's embedding does not
+    train); ``output`` itself without one."""
+    if padding_idx is None:
+        return output
+    return torch.where((ids == padding_idx).unsqueeze(-1), output.detach(), output)

@@ -250,7 +250,7 @@ def test_reading_weight_says_what_to_use():
 
 
 def test_from_dense_refuses_what_a_sparse_table_lacks():
-    for options in (dict(padding_idx=0), dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
+    for options in (dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
         with pytest.raises(ValueError, match=f"no counterpart of nn.Embedding's {next(iter(options))}"):
             snack.SparseEmbedding.from_dense(nn.Embedding(5, 3, **options))
     with pytest.raises(ValueError, match="must be \\(num_embeddings, embedding_dim\\)"):
@@ -316,11 +316,11 @@ def test_sparsify_random_init_and_erk_weigh_the_table_by_its_shape():
     assert 1 - embedding.sparsity < 0.5 * (1 - head.sparsity)
 
 
-def test_sparsify_leaves_tied_and_padded_embeddings_dense_with_a_warning():
-    padded = nn.Sequential(nn.Embedding(50, 16, padding_idx=0), nn.Linear(16, 50))
-    with pytest.warns(UserWarning, match="nn.Embedding layer\\(s\\) dense: 0 \\(padding_idx=0\\)"):
-        snack.sparsify(padded, embeddings=True)
-    assert type(padded[0]) is nn.Embedding
+def test_sparsify_leaves_tied_and_max_norm_embeddings_dense_with_a_warning():
+    renormed = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 50))
+    with pytest.warns(UserWarning, match="nn.Embedding layer\\(s\\) dense: 0 \\(max_norm=1.0\\)"):
+        snack.sparsify(renormed, embeddings=True)
+    assert type(renormed[0]) is nn.Embedding
     tied = _language_model()
     tied[1].weight = tied[0].weight
     with warnings.catch_warnings(record=True) as caught:
@@ -506,3 +506,142 @@ def test_averaged_model_follows_a_rewired_embedding():
     dst.step()
     averaged.update_parameters(model)
     assert torch.equal(averaged.module[0].indices(), model[0].indices())
+
+
+# --------------------------------------------------------------------- padding_idx
+
+
+def test_padding_idx_behaves_as_nn_embeddings():
+    """Built: no connection in the padding row (zeros). From a dense table whose padding row holds
+    values (a loaded one): they are looked up, and get no gradient, as in nn.Embedding."""
+    built = snack.SparseEmbedding(12, 5, padding_idx=-3, sparsity=0.5)
+    assert built.padding_idx == 9 and not bool((built.row == 9).any()) and "padding_idx=9" in repr(built)
+    assert built.nnz == round(0.5 * 11 * 5)  # the sparsity of the other rows
+    dense = nn.Embedding(12, 5, padding_idx=9).double()
+    with torch.no_grad():
+        dense.weight[9] = torch.arange(5.0)
+        dense.weight.mul_(torch.rand(12, 5) < 0.6)
+    layer = snack.SparseEmbedding.from_dense(dense)
+    assert layer.padding_idx == 9 and bool((layer.row == 9).any())
+    ids = torch.tensor([[9, 1, 9], [4, 9, 11]])
+    grad = torch.randn(2, 3, 5, dtype=torch.float64)
+    output = layer(ids)
+    output.backward(grad)
+    expected = dense(ids)
+    expected.backward(grad)
+    assert torch.equal(output, expected.detach())
+    torch.testing.assert_close(layer.values.grad, dense.weight.grad[layer.row.long(), layer.col.long()])
+    assert layer.values.grad[layer.row == 9].abs().sum() == 0
+    layer.reset_parameters()  # as nn.Embedding's: the padding row's entries become zeros
+    assert layer.values[layer.row == 9].abs().sum() == 0
+
+
+def _padded_with_values_in_its_padding_row() -> snack.SparseEmbedding:
+    """A SparseEmbedding with padding_idx 2 whose padding row holds connections (a loaded table)."""
+    dense = nn.Embedding(12, 5, padding_idx=2).double().requires_grad_(False)
+    dense.weight[2] = torch.arange(1.0, 6.0)
+    layer = snack.SparseEmbedding.from_dense(dense)
+    assert int((layer.row == 2).sum()) == 5
+    return layer
+
+
+def test_padding_idx_holds_in_an_fx_trace_of_the_layer():
+    layer = _padded_with_values_in_its_padding_row()
+    traced = torch.fx.symbolic_trace(layer)
+    ids = torch.tensor([[2, 3], [2, 7]])
+    traced(ids).sum().backward()
+    assert layer.values.grad[layer.row == 2].abs().sum() == 0
+    assert torch.equal(layer.values.grad, torch.autograd.grad(layer(ids).sum(), layer.values)[0])
+
+
+def test_padding_idx_holds_under_torch_func_and_compile():
+    layer = _padded_with_values_in_its_padding_row()
+    ids = torch.tensor([2, 3, 2, 7])
+    (gradient,) = torch.func.grad(
+        lambda v: torch.func.functional_call(layer, {"values": v}, (ids,)).sum(), argnums=(0,)
+    )(layer.values.detach())
+    expected = torch.autograd.grad(layer(ids).sum(), layer.values)[0]
+    torch.testing.assert_close(gradient, expected)
+    assert gradient[layer.row == 2].abs().sum() == 0 and gradient[layer.row == 3].abs().sum() > 0
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    output = compiled(ids)
+    assert torch.equal(output, layer(ids))
+    output.sum().backward()
+    torch.testing.assert_close(layer.values.grad, expected)
+
+
+@pytest.mark.parametrize("padding_idx, error, match", [
+    (12, ValueError, "padding_idx must be in \\[-12, 11\\]"), (-13, ValueError, "got -13"),
+    (1.0, TypeError, "padding_idx must be an int or None"),
+])  # fmt: skip
+def test_bad_padding_idx_raises(padding_idx, error, match):
+    with pytest.raises(error, match=match):
+        snack.SparseEmbedding(12, 5, padding_idx)
+
+
+def test_growth_topology_holds_the_padding_row_as_full():
+    layer = snack.SparseEmbedding.from_dense(torch.randn(7, 4) * (torch.rand(7, 4) < 0.5))
+    assert layer.growth_topology is layer.topology  # no padding row: the topology itself
+    layer.padding_idx = 3
+    growth = layer.growth_topology
+    check = snack.SparseEmbedding.from_coo(growth.row, growth.col, torch.ones(growth.nnz), (7, 4))
+    positions = set((check.row.long() * 4 + check.col.long()).tolist())
+    own = set((layer.row.long() * 4 + layer.col.long()).tolist())
+    assert positions == own | {12, 13, 14, 15}
+
+
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "MEST", "GraNet"])
+def test_dst_never_grows_into_the_padding_row(algorithm):
+    """A 6-row table whose padding row (2) is the id looked up most: RigL's scores are largest
+    there, and random growth would soon reach it."""
+    model = nn.Sequential(snack.SparseEmbedding(6, 4, padding_idx=2, sparsity=0.5), nn.Linear(4, 6))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    arguments = dict(update_every=1, total_steps=40)
+    if algorithm == "GraNet":
+        arguments.update(final_sparsity=0.6, start_step=0, end_step=20)
+    else:
+        arguments.update(drop_fraction=0.5)
+    dst = getattr(snack.dst, algorithm)(model, optimizer, **arguments)
+    ids = torch.tensor([[2, 2, 2, 0, 1, 5], [2, 3, 2, 4, 2, 2]])
+    rewired = 0
+    for _ in range(20):
+        optimizer.zero_grad()
+        F.cross_entropy(model(ids).view(-1, 6), ids.view(-1)).backward()
+        optimizer.step()
+        rewired += dst.step()
+        assert not bool((model[0].row == 2).any())
+        check_topology_invariants(model[0], model[0].nnz)
+    assert rewired >= 10
+
+
+def test_a_custom_algorithm_growing_into_the_padding_row_is_refused_and_changes_nothing():
+    class IntoThePadding(snack.dst.DropGrow):
+        def grow(self, layer, k):
+            return torch.arange(2 * 4, 2 * 4 + k)  # row 2, the padding row
+
+    layer = snack.SparseEmbedding(6, 4, padding_idx=2, sparsity=0.75)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    dst = IntoThePadding(layer, optimizer, update_every=1, total_steps=10, drop_fraction=0.5)
+    before = layer.indices().clone()
+    with pytest.raises(ValueError, match="returned position 8 of layer '', in row 2, where no connection may grow"):
+        dst.step()
+    assert torch.equal(layer.indices(), before)
+
+
+def test_sparsify_and_densify_carry_padding_idx():
+    model = nn.Sequential(nn.Embedding(50, 16, padding_idx=0), nn.Linear(16, 50))
+    snack.sparsify(model, 0.8, embeddings=True)
+    assert isinstance(model[0], snack.SparseEmbedding) and model[0].padding_idx == 0
+    random = snack.sparsify(nn.Sequential(nn.Embedding(50, 16, padding_idx=7)), 0.8, embeddings=True, init="random")
+    assert random[0].padding_idx == 7 and not bool((random[0].row == 7).any())
+    snack.densify(model)
+    assert type(model[0]) is nn.Embedding and model[0].padding_idx == 0
+
+
+def test_padding_idx_on_the_meta_device():
+    layer = snack.SparseEmbedding(30, 8, padding_idx=4, sparsity=0.75, device="meta")
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    check_topology_invariants(layer, round(0.25 * 29 * 8))
+    assert not bool((layer.row == 4).any())

@@ -63,7 +63,7 @@ def check_grow_init(grow_init) -> None:
 def replaced_count(fraction: float, connections: int, layer: SparseLinear) -> int:
     """``floor(fraction · connections)``: how many of ``connections`` an update replaces in
     ``layer``, at most the positions inactive in it (growth takes only those)."""
-    inactive = layer.out_features * layer.in_features - layer.nnz
+    inactive = layer.out_features * layer.in_features - layer.growth_topology.nnz
     # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
     return min(math.floor(round(fraction * connections, 9)), inactive)
 
@@ -100,7 +100,7 @@ def gradient_growth(dst: DynamicSparsity, layer: SparseLinear, k: int) -> Tensor
     batch ``dst`` recorded (a convolution's from its padded input, never its im2col rows)."""
     x, dy = dst.recorded_as_kept(layer)
     convolution = layer if isinstance(layer, _SparseConvNd) else None
-    return gradient_grow(x, dy, layer.topology, k, convolution=convolution)
+    return gradient_grow(x, dy, layer.growth_topology, k, convolution=convolution)
 
 
 class DropGrow(DynamicSparsity):
@@ -132,7 +132,7 @@ class DropGrow(DynamicSparsity):
                 convolutions = (snack.SparseConv2d, snack.SparseConv3d, snack.SparseConvTranspose2d,
                                 snack.SparseConvTranspose3d)  # (the 1-D ones subclass the 2-D ones)
                 conv = layer if isinstance(layer, convolutions) else None  # its kernel, groups
-                return snack.dst.gradient_grow(x, dy, layer.topology, k, convolution=conv)
+                return snack.dst.gradient_grow(x, dy, layer.growth_topology, k, convolution=conv)
 
     A subclass's own constructor arguments are not compared across ranks, nor saved in
     :meth:`state_dict`.
@@ -197,8 +197,9 @@ class DropGrow(DynamicSparsity):
 
     def grow(self, layer: SparseLinear, k: int) -> Tensor:
         """``(k,)`` unique linear positions ``r · in_features + c`` to add, each inactive (or
-        among those :meth:`drop` returned) in ``layer.topology``, which is the topology before
-        this update (see :func:`snack.dst.prune_grow.random_grow`, ``gradient_grow``)."""
+        among those :meth:`drop` returned) in ``layer.growth_topology``: the topology before
+        this update (a :class:`SparseEmbedding`'s padding row counted as full; see
+        :func:`snack.dst.prune_grow.random_grow`, ``gradient_grow``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement grow(layer, k)")
 
     def _plan(self, step, index, name, layer):
@@ -211,6 +212,7 @@ class DropGrow(DynamicSparsity):
             return NO_POSITIONS, NO_POSITIONS, None
         drop = self._hook_positions(self.drop(layer, k), "drop", name, k)
         grow = self._hook_positions(self.grow(layer, k), "grow", name, k)
+        _refuse_ungrowable_rows(self, layer, grow, name)
         return drop, grow, grown_values(self.grow_init, layer, k, self.generator)
 
     def _hook_positions(self, positions, hook: str, name: str, k: int) -> Tensor:
@@ -224,6 +226,22 @@ class DropGrow(DynamicSparsity):
                 f"{type(self).__name__}.{hook} must return integer positions for layer {name!r}, got {positions.dtype}"
             )
         return positions
+
+
+def _refuse_ungrowable_rows(dst: DynamicSparsity, layer: SparseLinear, grow: Tensor, name: str) -> None:
+    """Raise if a :meth:`DropGrow.grow` hook returned a position in a row growth must avoid (a
+    :class:`SparseEmbedding`'s padding row, whose connections never train)."""
+    rows = layer._ungrowable_rows()
+    if not rows or grow.numel() == 0:
+        return
+    in_rows = torch.isin(grow.to(torch.int64) // layer.in_features, torch.tensor(rows, device=grow.device))
+    if bool(in_rows.any()):
+        position = int(grow[in_rows][0])
+        raise ValueError(
+            f"{type(dst).__name__}.grow returned position {position} of layer {name!r}, in row "
+            f"{position // layer.in_features}, where no connection may grow (the padding row of a SparseEmbedding: "
+            "it never trains); grow among the inactive positions of layer.growth_topology"
+        )
 
 
 class SET(DropGrow):
@@ -264,7 +282,7 @@ class SET(DropGrow):
         return magnitude_drop(layer.values, k, split_sign=self.split_sign)
 
     def grow(self, layer, k):
-        return random_grow(layer.topology, k, self.generator)
+        return random_grow(layer.growth_topology, k, self.generator)
 
 
 def _with_split_sign(base: inspect.Signature) -> inspect.Signature:

@@ -161,7 +161,7 @@ class MEST(DynamicSparsity):
         target = self.target_nnz[index]
         below, above = (math.floor(round(fraction * target, 9)) for fraction in self.fractions(step))
         kept = min(layer.nnz, target - below)
-        inactive = layer.out_features * layer.in_features - layer.nnz
+        inactive = layer.out_features * layer.in_features - layer.growth_topology.nnz
         return layer.nnz - kept, min(target + above - kept, inactive)
 
     def _plan(self, step, index, name, layer):
@@ -171,7 +171,7 @@ class MEST(DynamicSparsity):
         drop = self._drop(step, name, layer, dropped)
         if drop is None:
             return NO_POSITIONS, NO_POSITIONS, None
-        grow = random_grow(layer.topology, grown, self.generator)
+        grow = random_grow(layer.growth_topology, grown, self.generator)
         return drop, grow, grown_values(self.grow_init, layer, grown, self.generator) if grown else None
 
     def _drop(self, step: int, name: str, layer: SparseLinear, k: int) -> Tensor | None:

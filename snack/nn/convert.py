@@ -196,7 +196,7 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if embedding_options:
         warnings.warn(
             f"sparsify left {len(embedding_options)} nn.Embedding layer(s) dense: {', '.join(embedding_options)}. "
-            "SparseEmbedding has no counterpart of padding_idx, max_norm, scale_grad_by_freq or sparse; exclude "
+            "SparseEmbedding has no counterpart of max_norm, scale_grad_by_freq or sparse; exclude "
             "the layers to silence this warning.",
             stacklevel=3,
         )
@@ -260,8 +260,8 @@ def sparsify(
             materialised, by ``to_empty()`` and ``reset_parameters()``).
         embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` (off by
             default: dynamic sparse training usually keeps embeddings dense). One with
-            ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with
-            a warning, and so does one tied to an output layer (GPT-2's ``wte``).
+            ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning, and
+            so does one tied to an output layer (GPT-2's ``wte``); ``padding_idx`` carries over.
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
@@ -351,7 +351,9 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
     if type(dense) is nn.Embedding:
         if init == "magnitude":
             return SparseEmbedding.from_dense(dense, sparsity=sparsity)
-        return SparseEmbedding(*weight.shape, sparsity=sparsity, device=weight.device, dtype=weight.dtype)
+        return SparseEmbedding(
+            *weight.shape, dense.padding_idx, sparsity=sparsity, device=weight.device, dtype=weight.dtype
+        )
     sparse_convolution = SPARSE_CONVOLUTIONS.get(type(dense))
     if sparse_convolution is not None:
         if init == "magnitude":
@@ -460,6 +462,7 @@ def _dense_twin(layer: SparseLinear) -> dict:
     if isinstance(layer, _SparseConvNd):
         return dict(module_cls=layer._dense_class, **layer._dense_arguments())
     if isinstance(layer, SparseEmbedding):
-        return dict(module_cls=nn.Embedding, num_embeddings=layer.num_embeddings, embedding_dim=layer.embedding_dim)
+        return dict(module_cls=nn.Embedding, num_embeddings=layer.num_embeddings, embedding_dim=layer.embedding_dim,
+                    padding_idx=layer.padding_idx)  # fmt: skip
     return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
                 bias=layer.bias is not None)  # fmt: skip

@@ -8,7 +8,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms
+from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms, without_padding_gradient
 from snack.func import transforms_active
 from snack.nn import tracing
 from snack.nn.layer import SparseLinear, _reject_meta
@@ -18,7 +18,6 @@ __all__ = ["SparseEmbedding"]
 
 # nn.Embedding options whose behaviour a sparse table does not have (see SparseEmbedding.from_dense)
 _UNSUPPORTED_OPTIONS = {
-    "padding_idx": None,  # a row kept at zero and never trained: rewiring would grow connections into it
     "max_norm": None,  # renormalises the looked-up rows in place
     "scale_grad_by_freq": False,
     "sparse": False,  # torch.sparse gradients: snack's already are one value per connection
@@ -51,25 +50,32 @@ class SparseEmbedding(SparseLinear):
     Args:
         num_embeddings: size of the vocabulary (ids run from 0 to ``num_embeddings - 1``).
         embedding_dim: size of each embedding.
+        padding_idx: as ``nn.Embedding``'s: the row of this id gets no gradient (a padding token's
+            embedding does not train), and starts without connections (zeros); negative counts
+            from the end. Dynamic sparse training never grows connections into it
+            (:attr:`~SparseLinear.growth_topology`).
         sparsity: fraction of zero entries in ``[0, 1)``; ``round((1 - sparsity) · num_embeddings ·
-            embedding_dim)`` connections (at least one).
+            embedding_dim)`` connections (at least one; with ``padding_idx``, of the other rows).
         device, dtype: of ``values`` (indices are int32 on ``device``).
 
-    ``nn.Embedding``'s ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no
-    counterpart (:meth:`from_dense` refuses a layer that sets them). Use :meth:`from_dense` to keep
-    the largest entries of an ``nn.Embedding``, or ``snack.sparsify(model, embeddings=True)``.
+    ``nn.Embedding``'s ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no counterpart
+    (:meth:`from_dense` refuses a layer that sets them). Use :meth:`from_dense` to keep the largest
+    entries of an ``nn.Embedding``, or ``snack.sparsify(model, embeddings=True)``.
     """
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
+        padding_idx: int | None = None,
         *,
         sparsity: float = 0.9,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         _check_sizes(num_embeddings, embedding_dim)
+        # set first: the constructor draws the topology, which leaves this row out
+        self.padding_idx = _checked_padding_idx(padding_idx, num_embeddings)
         super().__init__(embedding_dim, num_embeddings, False, sparsity=sparsity, device=device, dtype=dtype)
 
     @property
@@ -88,9 +94,9 @@ class SparseEmbedding(SparseLinear):
         ``(num_embeddings, embedding_dim)`` table.
 
         Args:
-            embedding_or_weight: an ``nn.Embedding`` (without ``padding_idx``, ``max_norm``,
-                ``scale_grad_by_freq`` or ``sparse``, which a sparse table does not have) or its
-                weight.
+            embedding_or_weight: an ``nn.Embedding`` (its ``padding_idx`` carries over; without
+                ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, which a sparse table does not
+                have) or its weight.
             sparsity: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
                 largest-magnitude ``round((1 - sparsity) · num_embeddings · embedding_dim)`` entries.
 
@@ -102,9 +108,9 @@ class SparseEmbedding(SparseLinear):
                 raise ValueError(
                     f"embedding_or_weight: SparseEmbedding has no counterpart of nn.Embedding's {unsupported}"
                 )
-            weight = embedding_or_weight.weight
+            weight, padding_idx = embedding_or_weight.weight, embedding_or_weight.padding_idx
         elif isinstance(embedding_or_weight, Tensor):
-            weight = embedding_or_weight
+            weight, padding_idx = embedding_or_weight, None
         else:
             raise TypeError(
                 f"embedding_or_weight must be an nn.Embedding or a Tensor, got {type(embedding_or_weight).__name__}"
@@ -116,7 +122,15 @@ class SparseEmbedding(SparseLinear):
         _reject_meta(weight.device)
         row, col, values = coo_from_dense(weight, sparsity)
         num_embeddings, embedding_dim = weight.shape
-        return cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
+        layer = cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
+        layer.padding_idx = padding_idx  # (nn.Embedding's, normalised and checked)
+        return layer
+
+    @classmethod
+    def _from_parts(cls, in_features, out_features, row, col, values, bias) -> SparseEmbedding:
+        layer = super()._from_parts(in_features, out_features, row, col, values, bias)
+        layer.padding_idx = None
+        return layer
 
     def reset_parameters(self) -> None:
         """Re-draw ``values`` as ``N(0, embedding_dim / fan)`` (class docstring); a layer built on
@@ -124,6 +138,29 @@ class SparseEmbedding(SparseLinear):
         super().reset_parameters()  # (draws the topology where it must, and values we replace)
         with torch.no_grad():
             self.values.normal_(0.0, self._init_std)
+            if self.padding_idx is not None:  # as nn.Embedding: the padding row's entries are zeros
+                self.values.masked_fill_(self.row == self.padding_idx, 0.0)
+
+    def _random_nnz(self, out_features: int, in_features: int, sparsity: float) -> int:
+        if self.padding_idx is None:
+            return super()._random_nnz(out_features, in_features, sparsity)
+        return 0 if out_features == 1 else super()._random_nnz(out_features - 1, in_features, sparsity)
+
+    def _random_topology(
+        self, out_features: int, in_features: int, sparsity: float, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The constructor's random topology, which with ``padding_idx`` leaves that row empty:
+        drawn over the other rows, then the rows from the padding row on moved one down."""
+        if self.padding_idx is None:
+            return super()._random_topology(out_features, in_features, sparsity, device)
+        if out_features == 1:
+            nothing = torch.empty(0, dtype=torch.int32, device=device)
+            return nothing, nothing.clone()
+        row, col = super()._random_topology(out_features - 1, in_features, sparsity, device)
+        return row + (row >= self.padding_idx).to(row.dtype), col
+
+    def _ungrowable_rows(self) -> tuple[int, ...]:
+        return () if self.padding_idx is None else (self.padding_idx,)
 
     @property
     def _init_std(self) -> float:
@@ -157,7 +194,7 @@ class SparseEmbedding(SparseLinear):
             if not (torch.compiler.is_compiling() or tracing.program_tracing()):
                 self._check_ids(ids)
         output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
-        return output.view(*input.shape, self.embedding_dim)
+        return without_padding_gradient(output, ids, self.padding_idx).view(*input.shape, self.embedding_dim)
 
     def _check_ids(self, ids: Tensor) -> None:
         """Raise ``IndexError`` (as ``nn.Embedding`` does) for an id outside ``[0, num_embeddings)``:
@@ -173,8 +210,8 @@ class SparseEmbedding(SparseLinear):
             )
 
     def _fx_root_forward(self, input):
-        return tracing.fx_sparse_embedding(input, self.values, self.row, self.col, (self.num_embeddings,
-                                                                                     self.embedding_dim))
+        shape = (self.num_embeddings, self.embedding_dim)
+        return tracing.fx_sparse_embedding(input, self.values, self.row, self.col, shape, self.padding_idx)
 
     def _sizes_repr(self) -> str:
         return f"SparseEmbedding({self.num_embeddings}, {self.embedding_dim})"
@@ -207,8 +244,9 @@ class SparseEmbedding(SparseLinear):
     # ------------------------------------------------------------------ conversion
 
     def extra_repr(self) -> str:
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
         return (
-            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, nnz={self.nnz}, "
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}{padding}, nnz={self.nnz}, "
             f"sparsity={self.sparsity:.4f}"
         )
 
@@ -221,6 +259,21 @@ def unsupported_options(embedding: nn.Embedding) -> str:
         for name, default in _UNSUPPORTED_OPTIONS.items()
         if getattr(embedding, name) != default
     )
+
+
+def _checked_padding_idx(padding_idx, num_embeddings: int) -> int | None:
+    """``padding_idx`` in ``[0, num_embeddings)`` (a negative one counted from the end, as
+    ``nn.Embedding`` does), or ``None``."""
+    if padding_idx is None:
+        return None
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral):
+        raise TypeError(f"SparseEmbedding: padding_idx must be an int or None, got {type(padding_idx).__name__}")
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(
+            f"SparseEmbedding: padding_idx must be in [-{num_embeddings}, {num_embeddings - 1}] "
+            f"(num_embeddings={num_embeddings}), got {padding_idx}"
+        )
+    return int(padding_idx) % num_embeddings
 
 
 def _check_sizes(num_embeddings, embedding_dim) -> None:

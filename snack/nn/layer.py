@@ -92,10 +92,10 @@ class SparseLinear(nn.Module):
         device = torch.empty(0, device=device).device  # (a `with torch.device(...)` context's too)
         on_meta = device.type == "meta"
         if on_meta:  # no data to draw into: reset_parameters() draws it after to_empty()
-            nnz = nnz_for_sparsity(out_features, in_features, sparsity)
+            nnz = self._random_nnz(out_features, in_features, sparsity)
             row, col = (torch.empty(nnz, dtype=torch.int32, device=device) for _ in range(2))
         else:
-            row, col = random_coo(out_features, in_features, sparsity, device=device)
+            row, col = self._random_topology(out_features, in_features, sparsity, device)
         values = torch.empty(row.numel(), device=device, dtype=dtype)
         bias_tensor = torch.empty(out_features, device=device, dtype=dtype) if bias else None
         self._init_state(in_features, out_features, row, col, values, bias_tensor)
@@ -196,7 +196,8 @@ class SparseLinear(nn.Module):
         topology: ``nnz`` uniformly random connections, as the constructor draws them elsewhere.
         (Otherwise the topology is kept.)"""
         if self._undrawn_sparsity is not None and self.row.device.type != "meta":
-            row, col = random_coo(self.out_features, self.in_features, self._undrawn_sparsity, device=self.row.device)
+            shape = (self.out_features, self.in_features)
+            row, col = self._random_topology(*shape, self._undrawn_sparsity, self.row.device)
             self._copy_topology_in(row, col)
         fan_in = max(1.0, self.nnz / self.out_features)
         with torch.no_grad():
@@ -204,6 +205,18 @@ class SparseLinear(nn.Module):
             if self.bias is not None:
                 bound = 1 / math.sqrt(self.in_features)
                 self.bias.uniform_(-bound, bound)
+
+    def _random_nnz(self, out_features: int, in_features: int, sparsity: float) -> int:
+        """How many connections :meth:`_random_topology` draws (what a layer built on the meta
+        device holds room for)."""
+        return nnz_for_sparsity(out_features, in_features, sparsity)
+
+    def _random_topology(
+        self, out_features: int, in_features: int, sparsity: float, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """``(row, col)`` of the constructor's uniformly random topology (drawn by
+        :meth:`reset_parameters` for a layer built on the meta device)."""
+        return random_coo(out_features, in_features, sparsity, device=device)
 
     # ------------------------------------------------------------------ topology
 
@@ -276,6 +289,31 @@ class SparseLinear(nn.Module):
     def _sizes_repr(self) -> str:
         """The layer as its constructor's sizes, for messages: ``SparseLinear(in, out)``."""
         return f"{type(self).__name__}({self.in_features}, {self.out_features})"
+
+    @property
+    def growth_topology(self) -> Topology:
+        """The topology whose inactive positions growth may take: :attr:`topology`, and for a
+        :class:`SparseEmbedding` with ``padding_idx`` its padding row as if full (a connection
+        there would never train). DST algorithms grow among its inactive positions
+        (:func:`snack.dst.random_grow`, :func:`snack.dst.gradient_grow`)."""
+        topology = self.topology
+        rows = self._ungrowable_rows()
+        if not rows:
+            return topology
+        rowptr = topology.rowptr.tolist()
+        device, width = topology.row.device, self.in_features
+        rows_parts, col_parts, done = [], [], 0
+        for r in sorted(rows):  # each row's connections replaced by every position of it
+            rows_parts += [topology.row[done : rowptr[r]], torch.full((width,), r, dtype=torch.int32, device=device)]
+            col_parts += [topology.col[done : rowptr[r]], torch.arange(width, dtype=torch.int32, device=device)]
+            done = rowptr[r + 1]
+        rows_parts.append(topology.row[done:])
+        col_parts.append(topology.col[done:])
+        return Topology(torch.cat(rows_parts), torch.cat(col_parts), topology.shape, validate=False)
+
+    def _ungrowable_rows(self) -> tuple[int, ...]:
+        """Rows no connection may grow into (a :class:`SparseEmbedding`'s padding row)."""
+        return ()
 
     def _refuse_undrawn_topology(self) -> None:
         where = "on the meta device" if self.row.device.type == "meta" else "materialised by to_empty()"

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from snack.backends.derived import derived
-from snack.embedding_ops import embedding_lookup
+from snack.embedding_ops import embedding_lookup, without_padding_gradient
 from snack.nn import locking
 from snack.ops import sparse_linear, spmm_t
 from snack.topology import INDEX_DTYPE, Topology
@@ -39,12 +39,15 @@ def fx_sparse_linear_transposed(
     return spmm_t(rows, values, traced_topology(row, col, (out_features, in_features)))
 
 
-def fx_sparse_embedding(ids: Tensor, values: Tensor, row: Tensor, col: Tensor, shape: tuple[int, int]) -> Tensor:
+def fx_sparse_embedding(
+    ids: Tensor, values: Tensor, row: Tensor, col: Tensor, shape: tuple[int, int], padding_idx: int | None
+) -> Tensor:
     """A :class:`SparseEmbedding` forward as ``torch.fx.symbolic_trace`` records it when it traces
     the layer itself: one call taking the layer's tensors (``shape``: the table's)."""
     topology = traced_topology(row, col, shape)
-    output = embedding_lookup(values, row, col, topology.rowptr, ids.reshape(-1).long(), shape[1])
-    return output.view(*ids.shape, shape[1])
+    flat = ids.reshape(-1).long()
+    output = embedding_lookup(values, row, col, topology.rowptr, flat, shape[1])
+    return without_padding_gradient(output, flat, padding_idx).view(*ids.shape, shape[1])
 
 
 def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topology:
