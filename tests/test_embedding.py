@@ -589,6 +589,7 @@ def test_growth_topology_holds_the_padding_row_as_full():
     positions = set((check.row.long() * 4 + check.col.long()).tolist())
     own = set((layer.row.long() * 4 + layer.col.long()).tolist())
     assert positions == own | {12, 13, 14, 15}
+    assert layer._growable_count() == 7 * 4 - growth.nnz  # counted without building it
 
 
 @pytest.mark.parametrize("algorithm", ["SET", "RigL", "MEST", "GraNet"])

@@ -63,7 +63,7 @@ def check_grow_init(grow_init) -> None:
 def replaced_count(fraction: float, connections: int, layer: SparseLinear) -> int:
     """``floor(fraction · connections)``: how many of ``connections`` an update replaces in
     ``layer``, at most the positions inactive in it (growth takes only those)."""
-    inactive = layer.out_features * layer.in_features - layer.growth_topology.nnz
+    inactive = layer._growable_count()
     # (rounded to 9 places first: 0.29 · 100 is 28.999999999999996 in binary floating point)
     return min(math.floor(round(fraction * connections, 9)), inactive)
 

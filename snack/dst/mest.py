@@ -161,7 +161,7 @@ class MEST(DynamicSparsity):
         target = self.target_nnz[index]
         below, above = (math.floor(round(fraction * target, 9)) for fraction in self.fractions(step))
         kept = min(layer.nnz, target - below)
-        inactive = layer.out_features * layer.in_features - layer.growth_topology.nnz
+        inactive = layer._growable_count()
         return layer.nnz - kept, min(target + above - kept, inactive)
 
     def _plan(self, step, index, name, layer):

@@ -300,13 +300,13 @@ class SparseLinear(nn.Module):
         rows = self._ungrowable_rows()
         if not rows:
             return topology
-        rowptr = topology.rowptr.tolist()
         device, width = topology.row.device, self.in_features
         rows_parts, col_parts, done = [], [], 0
         for r in sorted(rows):  # each row's connections replaced by every position of it
-            rows_parts += [topology.row[done : rowptr[r]], torch.full((width,), r, dtype=torch.int32, device=device)]
-            col_parts += [topology.col[done : rowptr[r]], torch.arange(width, dtype=torch.int32, device=device)]
-            done = rowptr[r + 1]
+            first, last = topology.rowptr[r : r + 2].tolist()
+            rows_parts += [topology.row[done:first], torch.full((width,), r, dtype=torch.int32, device=device)]
+            col_parts += [topology.col[done:first], torch.arange(width, dtype=torch.int32, device=device)]
+            done = last
         rows_parts.append(topology.row[done:])
         col_parts.append(topology.col[done:])
         return Topology(torch.cat(rows_parts), torch.cat(col_parts), topology.shape, validate=False)
@@ -314,6 +314,16 @@ class SparseLinear(nn.Module):
     def _ungrowable_rows(self) -> tuple[int, ...]:
         """Rows no connection may grow into (a :class:`SparseEmbedding`'s padding row)."""
         return ()
+
+    def _growable_count(self) -> int:
+        """How many positions growth may take: the inactive ones of :attr:`growth_topology`,
+        counted from the row pointer rather than by building it."""
+        free = self.out_features * self.in_features - self.nnz
+        rows = self._ungrowable_rows()
+        if rows:
+            rowptr = self.topology.rowptr
+            free -= sum(self.in_features - int(rowptr[r + 1] - rowptr[r]) for r in rows)
+        return free
 
     def _refuse_undrawn_topology(self) -> None:
         where = "on the meta device" if self.row.device.type == "meta" else "materialised by to_empty()"
