@@ -30,16 +30,22 @@ LOCAL_BATCH = 8
 
 
 class TokenEmbedding(nn.Module):
-    """``x (N, 12)`` plus the embedding of a token read off ``x``: the signs of its first three
-    features, an id in [0, 8). An embedding's records are ids ``(N,)``, which the ranks gather too."""
+    """``h``, ``x (N, 12)`` plus the embedding of a token read off ``x`` (the signs of its first three
+    features, an id in [0, 8)), plus ``h``'s logits against the table (a head tied to the
+    embedding) mixed back to 12 features. An embedding's records are ids ``(N,)``, a tied head's
+    ``(N, 12)`` and ``(N, 8)`` rows: the ranks gather all four."""
 
     def __init__(self):
         super().__init__()
         self.embedding = nn.Embedding(8, 12)
+        self.head = nn.Linear(12, 8, bias=False)
+        self.head.weight = self.embedding.weight
+        self.mix = nn.Linear(8, 12)
 
     def forward(self, x):
         ids = ((x[:, :3] > 0).long() * torch.tensor([1, 2, 4])).sum(1)
-        return x + self.embedding(ids)
+        h = x + self.embedding(ids)
+        return h + self.mix(self.head(h))
 
 
 def model(seed: int = 0, *, embedding: bool = False) -> nn.Module:

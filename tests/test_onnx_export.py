@@ -110,6 +110,26 @@ def test_a_sparse_embedding_exports_with_its_connections_at_any_batch_and_length
     assert max(sizes) < 50 * 12 and model[0].nnz in sizes
 
 
+def test_a_tied_embedding_and_head_export_with_one_table_of_connections():
+    torch.manual_seed(0)
+    embedding = snack.SparseEmbedding(50, 12, sparsity=0.7)
+    model = nn.Sequential(embedding, nn.Tanh(), snack.SparseTiedHead(embedding, bias=True)).eval()
+    with torch.no_grad():
+        model[2].bias.uniform_()
+    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=1024)}
+    example = torch.randint(0, 50, (2, 7))
+    proto = torch.onnx.export(
+        model, (example,), dynamo=True, custom_translation_table=snack.onnx_translations(), dynamic_shapes=(dims,),
+        verbose=False,
+    ).model_proto
+    for ids in (example, torch.randint(0, 50, (1, 3))):
+        with torch.no_grad():
+            np.testing.assert_allclose(_run(proto, ids), model(ids).numpy(), rtol=1e-5, atol=1e-5)
+    sizes = [int(np.prod(t.dims)) for t in proto.graph.initializer]
+    values = [list(t.dims) for t in proto.graph.initializer if t.name.endswith("values")]
+    assert max(sizes) < 50 * 12 and values == [[embedding.nnz]]  # one table, for both uses
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float16, 2e-3)])
 def test_other_dtypes_run_in_theirs(dtype, tolerance):
     """(bfloat16 exports too, but ONNX Runtime's CPU MatMul has no bfloat16 kernel, for a dense

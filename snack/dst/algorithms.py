@@ -97,10 +97,12 @@ def grown_values(grow_init: str, layer: SparseLinear, k: int, generator: torch.G
 
 def gradient_growth(dst: DynamicSparsity, layer: SparseLinear, k: int) -> Tensor:
     """RigL's growth: the ``k`` inactive positions of ``layer`` with the largest ``|∂L/∂W|`` of the
-    batch ``dst`` recorded (a convolution's from its padded input, never its im2col rows)."""
+    batch ``dst`` recorded (a convolution's from its padded input, never its im2col rows; a tied
+    embedding's from its lookups and its uses as the head)."""
     x, dy = dst.recorded_as_kept(layer)
     convolution = layer if isinstance(layer, _SparseConvNd) else None
-    return gradient_grow(x, dy, layer.growth_topology, k, convolution=convolution)
+    head = dst.recorded_head_batch(layer)
+    return gradient_grow(x, dy, layer.growth_topology, k, convolution=convolution, head=head)
 
 
 class DropGrow(DynamicSparsity):
@@ -132,7 +134,8 @@ class DropGrow(DynamicSparsity):
                 convolutions = (snack.SparseConv2d, snack.SparseConv3d, snack.SparseConvTranspose2d,
                                 snack.SparseConvTranspose3d)  # (the 1-D ones subclass the 2-D ones)
                 conv = layer if isinstance(layer, convolutions) else None  # its kernel, groups
-                return snack.dst.gradient_grow(x, dy, layer.growth_topology, k, convolution=conv)
+                head = self.recorded_head_batch(layer)  # a tied embedding's use as the head, else None
+                return snack.dst.gradient_grow(x, dy, layer.growth_topology, k, convolution=conv, head=head)
 
     A subclass's own constructor arguments are not compared across ranks, nor saved in
     :meth:`state_dict`.

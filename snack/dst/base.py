@@ -186,7 +186,8 @@ class DynamicSparsity:
         hold every group's columns, so ``gradient_grow`` needs ``convolution=`` the layer. A
         :class:`snack.SparseEmbedding`'s ``X`` are its ids ``(N,)`` (int64) and ``dY`` its output
         gradient rows ``(N, embedding_dim)``: row ``t`` of ``∂L/∂W`` sums the ``dY`` rows of id ``t``
-        (``gradient_grow`` scores them so)."""
+        (``gradient_grow`` scores them so); its uses as a tied output layer are apart
+        (:meth:`recorded_head_batch`)."""
         x, dy = self.recorded_as_kept(layer)
         return layer._rows_of_record(x), dy
 
@@ -195,6 +196,24 @@ class DynamicSparsity:
         ``(N, C, Hp, Wp)`` (:func:`snack.dst.prune_grow.gradient_grow` takes it with
         ``convolution=``), or its rows where the calls' inputs differed in size or several ranks
         gathered them; other layers' ``X`` are their rows."""
+        x, dy = self._records_of(layer)[:2]
+        return x, dy
+
+    def recorded_head_batch(self, layer: SparseLinear) -> tuple[Tensor, Tensor] | None:
+        """``(hidden (M, embedding_dim), dlogits (M, num_embeddings))``: for a
+        :class:`snack.SparseEmbedding` whose table also served as an output layer in this update
+        step's training step (:meth:`~snack.SparseEmbedding.attend`, :class:`snack.SparseTiedHead`),
+        that use's inputs and logits' gradients, as :meth:`recorded_batch` gives the lookups' ids
+        and output gradients (which are then of no rows if the table served only as the head).
+        The table's gradient is the sum of both uses': ``gradient_grow(ids, dy, ..., head=(hidden,
+        dlogits))`` scores it so. ``None`` for any other layer, or one not used so."""
+        records = self._records_of(layer)
+        if len(records) == 2 or records[2].shape[0] == 0:
+            return None
+        return records[2], records[3]
+
+    def _records_of(self, layer: SparseLinear) -> tuple[Tensor, ...]:
+        """What :meth:`_recorded` returned for ``layer`` at this update (raises where there is none)."""
         for index, (_, candidate) in enumerate(self.layers):
             if candidate is layer:
                 break
@@ -357,19 +376,21 @@ class DynamicSparsity:
         raise NotImplementedError
 
     def _recorded(self, step: int, index: int, layer: SparseLinear):
-        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step, on several ranks
-        every rank's rows, on rank 0 (elsewhere ``ON_RANK_ZERO``); ``None`` if no rank has any."""
+        """``(X (N, in), dY (N, out))`` recorded for layer ``index`` in this step (an embedding's
+        ``(ids, dY, hidden, dlogits)``, :meth:`GradientCapture.batch`), on several ranks every
+        rank's rows, on rank 0 (elsewhere ``ON_RANK_ZERO``); ``None`` if no rank has any."""
         recorded = self._capture.batch(index)
         values = layer.values
         if self._group is None or self._count(step, layer) == 0:
             return recorded if recorded is None else tuple(_in_dtype(t, values.dtype) for t in recorded)
-        x, dy = recorded if recorded is not None else layer._empty_records(values)
-        x = x if recorded is None else layer._rows_of_record(x)  # rows: ranks' inputs may differ in size
-        x, rows = distributed.gather_rows(_in_dtype(x, values.dtype), self._group)
-        dy, _ = distributed.gather_rows(_in_dtype(dy, values.dtype), self._group)
-        if rows == 0:
+        if recorded is None:
+            recorded = layer._empty_records(values)
+        else:  # rows: ranks' inputs may differ in size
+            recorded = (layer._rows_of_record(recorded[0]), *recorded[1:])
+        gathered = [distributed.gather_rows(_in_dtype(t, values.dtype), self._group) for t in recorded]
+        if sum(rows for _, rows in gathered[::2]) == 0:  # (each X, with its dY)
             return None
-        return (x, dy) if distributed.is_rank_zero(self._group) else ON_RANK_ZERO
+        return tuple(t for t, _ in gathered) if distributed.is_rank_zero(self._group) else ON_RANK_ZERO
 
 
 def _in_dtype(record: Tensor, dtype: torch.dtype) -> Tensor:

@@ -14,6 +14,10 @@ copied into one reused buffer, an adversarial step ``x.data.add_``) would otherw
 it is at the update, not as the forward saw it. Layers whose ``values`` do not require a gradient
 (frozen) record nothing: the algorithms leave them alone.
 
+A :class:`snack.SparseEmbedding` records its lookups (ids and output gradients) and, apart, its
+uses as an output layer (:meth:`~snack.SparseEmbedding.attend`, a tied head: the hidden rows
+``(N, embedding_dim)`` and the logits' gradient ``(N, num_embeddings)``), whose gradients add up.
+
 Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
 elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
 see :func:`snack.dst.prune_grow.gradient_grow`). A convolution keeps its padded input, not the
@@ -29,7 +33,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from snack.nn import SparseLinear
+from snack.nn import SparseEmbedding, SparseLinear
 
 __all__ = ["GradientCapture"]
 
@@ -41,7 +45,8 @@ class GradientCapture:
     def __init__(self, layers: list[SparseLinear]):
         self.layers = layers
         self._handles: list = []  # changed in place only: the finalizer holds this list
-        self._records: list[list[list[Tensor | None]]] = [[] for _ in layers]
+        # per layer, per call: [X, dY (None until backward reaches it), whether the call was a head's]
+        self._records: list[list[list]] = [[] for _ in layers]
         self._remove_hooks_when_collected()
 
     def _remove_hooks_when_collected(self) -> None:
@@ -63,6 +68,10 @@ class GradientCapture:
             # first: the layer's own output, before any user hook rescales it or changes it in place
             layer.register_forward_hook(_outside_graphs(_RecordingHook(self, i)), with_kwargs=True, prepend=True)
             for i, layer in enumerate(self.layers)
+        ] + [
+            layer._register_attend_hook(_outside_graphs(_RecordingHook(self, i, head=True)))
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer, SparseEmbedding)
         ]
 
     def __setstate__(self, state: dict) -> None:
@@ -84,12 +93,27 @@ class GradientCapture:
     def clear(self) -> None:
         self._records = [[] for _ in self.layers]
 
-    def batch(self, index: int) -> tuple[Tensor, Tensor] | None:
+    def batch(self, index: int) -> tuple[Tensor, ...] | None:
         """``(X, dY (N, out))`` of every recorded call that reached backward, else ``None``; ``X``
         as the layer keeps it, or its rows ``(N, in)`` where calls' records differ in shape (a
-        convolution run on two image sizes)."""
+        convolution run on two image sizes). An embedding's are ``(ids (N,), dY (N,
+        embedding_dim), hidden (M, embedding_dim), dlogits (M, num_embeddings))``, its lookups' and
+        its uses as a head's, either of no rows if it served only the other way."""
         layer = self.layers[index]
-        done = [layer._operands_of_records(x, dy) for x, dy in self._records[index] if dy is not None]
+        records = self._records[index]
+        if not isinstance(layer, SparseEmbedding):
+            return self._joined(layer, records)
+        lookups = self._joined(layer, [r for r in records if not r[2]])
+        heads = self._joined(layer, [r for r in records if r[2]])
+        if lookups is None and heads is None:
+            return None
+        empty = layer._empty_records(layer.values)
+        return (*(lookups or empty[:2]), *(heads or empty[2:]))
+
+    @staticmethod
+    def _joined(layer: SparseLinear, records: list[list]) -> tuple[Tensor, Tensor] | None:
+        """``(X, dY)`` of the ``records`` of ``layer``'s calls that reached backward, else ``None``."""
+        done = [layer._operands_of_records(x, dy) for x, dy, _ in records if dy is not None]
         if not done:
             return None
         if len(done) == 1:  # the usual case: no copy
@@ -99,17 +123,20 @@ class GradientCapture:
             xs = [layer._rows_of_record(x) for x in xs]
         return torch.cat(xs), torch.cat([dy for _, dy in done])
 
-    def record(self, index: int, x: Tensor, output: Tensor) -> None:
+    def record(self, index: int, x: Tensor, output: Tensor, head: bool = False) -> None:
         """Keep ``x`` as the layer keeps it (``_record_of_input``) and, when backward reaches
         ``output``, its gradient as the layer keeps it (``_record_of_output_gradient``: rows ``(N,
         out)``, for a convolution row for row with the im2col rows of ``x``, so that ``dYᵀ·rows`` is
         its weight gradient; a transposed convolution keeps it padded, and :meth:`batch` swaps the
-        roles, ``_operands_of_records``)."""
+        roles, ``_operands_of_records``). ``head``: the call was an embedding's
+        :meth:`~snack.SparseEmbedding.attend`, :class:`SparseLinear`'s forward on its table, whose
+        records are a linear layer's."""
         layer = self.layers[index]
         # A copy, not the input itself: the caller may change the input in place once its backward
         # is done (a reused buffer, an adversarial step), and the update must score what this
         # forward saw. Only update steps record, so the copy is rare.
-        record = [layer._record_of_input(x.detach()), None]
+        kept = x.detach().reshape(-1, layer.in_features).clone() if head else layer._record_of_input(x.detach())
+        record = [kept, None, head]
         self._records[index].append(record)
 
         def grad_hook(grad: Tensor) -> None:
@@ -123,8 +150,9 @@ class GradientCapture:
         # A layer given (*, in) returns a view of its (N, out) result (a convolution's im2col path
         # too). An in-place op on that view (ReLU(inplace=True)) replaces the view's autograd
         # history, and a hook on the view would never fire; one on the (N, out) result still sees dY.
-        to_rows = layer._record_of_output_gradient
-        base, width = output._base, layer._output_width
+        width = layer.out_features if head else layer._output_width
+        to_rows = (lambda grad: grad.reshape(-1, width)) if head else layer._record_of_output_gradient
+        base = output._base
         if base is not None and base.shape == (output.numel() // width, width):
             output, to_rows = base, lambda grad: grad.reshape(-1, width)
         output.register_hook(grad_hook)
@@ -181,9 +209,9 @@ class _RecordingHook:
     with the model replaces the inert hooks by its own (:meth:`GradientCapture.__setstate__`).
     """
 
-    def __init__(self, capture: GradientCapture | None, index: int):
+    def __init__(self, capture: GradientCapture | None, index: int, head: bool = False):
         self.capture = weakref.ref(capture) if capture is not None else None
-        self.index = index
+        self.index, self.head = index, head  # head: an embedding's attend hook
 
     def __call__(self, module, args: tuple, kwargs: dict, output) -> None:
         capture = self.capture() if self.capture is not None else None
@@ -194,7 +222,7 @@ class _RecordingHook:
             and module.values.requires_grad
         ) or _inside_vmap():
             return
-        capture.record(self.index, args[0] if args else kwargs["input"], output)
+        capture.record(self.index, args[0] if args else kwargs["input"], output, self.head)
 
     def __reduce__(self):
-        return _RecordingHook, (None, self.index)
+        return _RecordingHook, (None, self.index, self.head)

@@ -79,7 +79,7 @@ def random_grow(topology: Topology, k: int, generator: torch.Generator) -> Tenso
 @torch.no_grad()
 def gradient_grow(
     x: Tensor, dy: Tensor, topology: Topology, k: int, *, block_elements: int = BLOCK_ELEMENTS,
-    convolution: _SparseConvNd | None = None,
+    convolution: _SparseConvNd | None = None, head: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The ``k`` inactive positions with the largest ``|∂L/∂W|`` (RigL's grow criterion).
 
@@ -114,7 +114,8 @@ def gradient_grow(
             :meth:`snack.dst.DynamicSparsity.recorded_as_kept` gives it) or its
             im2col rows ``(N · H_out · W_out, C · kh · kw)`` (as :meth:`recorded_batch` does); a
             :class:`snack.SparseEmbedding`'s ids ``(N,)`` (integers), whose table's gradient is
-            formed a block of rows at a time from them and ``dy``.
+            formed a block of rows at a time from them and ``dy`` (with ``head``, empty ones ``(0,)``
+            where the table served only as the head).
         dy: ``(B, out)`` gradients of the loss with respect to the layer outputs (an embedding's:
             ``(N, embedding_dim)``; a convolution's:
             ``(N · H_out · W_out, out)``, positions in row-major order). ``x`` and ``dy`` in
@@ -126,6 +127,11 @@ def gradient_grow(
             ``SparseConv3d``, ``SparseConvTranspose2d``, ``SparseConvTranspose1d`` or
             ``SparseConvTranspose3d``) whose padded input or rows ``x`` are (its kernel size,
             stride, dilation and groups).
+        head: for an embedding whose table is also an output layer (:class:`snack.SparseTiedHead`,
+            :meth:`snack.SparseEmbedding.attend`), that use's inputs and logits' gradients
+            ``(hidden (B, embedding_dim), dlogits (B, num_embeddings))``: ``dlogitsᵀ·hidden`` adds
+            to the lookups' gradient, block by block
+            (:meth:`snack.dst.DynamicSparsity.recorded_head_batch`).
 
     Returns:
         ``(k,)`` int64 linear positions, sorted.
@@ -134,7 +140,9 @@ def gradient_grow(
     if k > out_features * in_features - topology.nnz:
         raise ValueError(f"cannot grow {k} connections: only {out_features * in_features - topology.nnz} are inactive")
     if not (x.is_floating_point() or x.is_complex()):
-        return _grow_from_ids(x, dy, topology, k, block_elements)
+        return _grow_from_ids(x, dy, topology, k, block_elements, head)
+    if head is not None:
+        raise ValueError("gradient_grow: head= is for an embedding's table (x its ids), got x of floating dtype")
     width = in_features if convolution is None else convolution._rows_width
     padded_dims = None if convolution is None else 2 + len(convolution._computed_geometry[0])
     if not (x.dim() == 2 and x.shape[1] == width or x.dim() == padded_dims):
@@ -156,9 +164,11 @@ def gradient_grow(
     return _best_k_scores(scores, k, block_elements)
 
 
-def _grow_from_ids(ids: Tensor, dy: Tensor, topology: Topology, k: int, block_elements: int) -> Tensor:
+def _grow_from_ids(
+    ids: Tensor, dy: Tensor, topology: Topology, k: int, block_elements: int, head: tuple[Tensor, Tensor] | None
+) -> Tensor:
     """:func:`gradient_grow` of an embedding, from its ids ``(N,)`` and output gradient ``dy (N,
-    embedding_dim)``."""
+    embedding_dim)``, and its use as an output layer's ``head``."""
     num_embeddings, embedding_dim = topology.shape
     if ids.dim() != 1 or dy.shape != (ids.shape[0], embedding_dim):
         raise ValueError(
@@ -167,9 +177,30 @@ def _grow_from_ids(ids: Tensor, dy: Tensor, topology: Topology, k: int, block_el
         )
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
         raise ValueError(f"gradient_grow: ids must be in [0, {num_embeddings - 1}]")
+    if head is not None:
+        hidden, dlogits = _checked_head(head, topology)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    return _best_k_scores(_EmbeddingScores(ids, dy, topology), k, block_elements)
+    scores = _EmbeddingScores(ids, dy, topology)
+    if head is not None:
+        scores = _SummedScores([scores, _GradientScores(hidden, dlogits, topology)])
+    return _best_k_scores(scores, k, block_elements)
+
+
+def _checked_head(head, topology: Topology) -> tuple[Tensor, Tensor]:
+    """``gradient_grow``'s ``head``, ``(hidden (B, embedding_dim), dlogits (B, num_embeddings))``."""
+    num_embeddings, embedding_dim = topology.shape
+    if not (isinstance(head, (tuple, list)) and len(head) == 2 and all(isinstance(t, Tensor) for t in head)):
+        raise TypeError(f"gradient_grow: head must be a pair of tensors (hidden, dlogits), got {head!r}")
+    hidden, dlogits = head
+    if hidden.dim() != 2 or hidden.shape[1] != embedding_dim or dlogits.shape != (hidden.shape[0], num_embeddings):
+        raise ValueError(
+            f"gradient_grow: head must be (hidden (B, {embedding_dim}), dlogits (B, {num_embeddings})); got shapes "
+            f"{tuple(hidden.shape)} and {tuple(dlogits.shape)}"
+        )
+    if not (hidden.is_floating_point() and dlogits.is_floating_point()):
+        raise TypeError(f"gradient_grow: head must be floating tensors, got {hidden.dtype} and {dlogits.dtype}")
+    return hidden, dlogits
 
 
 def _best_k_scores(scores: _GradientScores, k: int, block_elements: int) -> Tensor:
@@ -251,6 +282,10 @@ class _GradientScores:
 
     def _keys(self, rows: slice) -> Tensor:
         """The flattened keys of ``|∂L/∂W|`` of ``rows`` (a slice of the output features)."""
+        return ordering_keys(self._gradient(rows).abs_().view(-1))
+
+    def _gradient(self, rows: slice) -> Tensor:
+        """``∂L/∂W`` of ``rows`` (a slice of the output features), ``(rows, in)``, a new tensor."""
         in_features = self.topology.shape[1]
         parts = []
         for piece, first, last in _group_pieces(rows, self.topology.shape[0], self.groups):
@@ -262,8 +297,7 @@ class _GradientScores:
             else:  # whole groups, each its rows against its columns
                 x = x.view(x.shape[0], last - first, in_features).transpose(0, 1)
                 parts.append(torch.bmm(dy_t.view(last - first, -1, dy_t.shape[1]), x).view(-1, in_features))
-        gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return ordering_keys(gradient.abs_().view(-1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _ConvolutionScores(_GradientScores):
@@ -286,7 +320,7 @@ class _ConvolutionScores(_GradientScores):
         self.native = False
         self.geometry = convolution._computed_geometry
 
-    def _keys(self, rows: slice) -> Tensor:
+    def _gradient(self, rows: slice) -> Tensor:
         kernel, stride, dilation = self.geometry
         weight_gradient = torch.nn.grad.conv3d_weight if len(kernel) == 3 else torch.nn.grad.conv2d_weight
         channels = self.x.shape[1] // self.groups  # of one group
@@ -296,8 +330,7 @@ class _ConvolutionScores(_GradientScores):
             weight_size = (dy.shape[1], channels, *kernel)
             x = self.x[:, first * channels : last * channels]
             parts.append(weight_gradient(x, weight_size, dy, stride, 0, dilation, last - first))
-        gradient = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return ordering_keys(gradient.abs_().view(-1))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(-1, self.topology.shape[1])
 
 
 class _EmbeddingScores(_GradientScores):
@@ -311,14 +344,29 @@ class _EmbeddingScores(_GradientScores):
         self.ids, self.dy = ids.to(torch.int64), dy.to(self.dtype)
         self.topology, self.groups, self.native = topology, 1, False
 
-    def _keys(self, rows: slice) -> Tensor:
+    def _gradient(self, rows: slice) -> Tensor:
         start, stop, step = rows.indices(self.topology.shape[0])
         offset = self.ids - start
         # the ids among rows start, start + step, ... (before stop), and their place in the block
         taken = (offset >= 0) & (self.ids < stop) & (offset % step == 0)
         block = self.dy.new_zeros(len(range(start, stop, step)), self.dy.shape[1])
-        block.index_add_(0, offset[taken] // step, self.dy[taken])
-        return ordering_keys(block.abs_().view(-1))
+        return block.index_add_(0, offset[taken] // step, self.dy[taken])
+
+
+class _SummedScores(_GradientScores):
+    """:class:`_GradientScores` of a weight with several uses, each scored by one of ``parts``
+    (on the same topology): ``∂L/∂W`` is the sum of theirs (a tied embedding's lookups and head)."""
+
+    def __init__(self, parts: list[_GradientScores]):
+        self.parts = parts
+        self.dtype = functools.reduce(torch.promote_types, [part.dtype for part in parts])
+        self.topology, self.groups, self.native = parts[0].topology, 1, False
+
+    def _gradient(self, rows: slice) -> Tensor:
+        gradient = self.parts[0]._gradient(rows).to(self.dtype)
+        for part in self.parts[1:]:
+            gradient += part._gradient(rows)
+        return gradient
 
 
 def _group_pieces(rows: slice, out_features: int, groups: int) -> list[tuple[slice, int, int]]:

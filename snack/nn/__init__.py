@@ -4,14 +4,15 @@
 :class:`SparseConvTranspose2d`, :class:`SparseConvTranspose1d` and :class:`SparseConvTranspose3d`
 for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``,
 :class:`SparseMultiheadAttention` for ``nn.MultiheadAttention`` (its projections sparse),
-:class:`SparseEmbedding` for ``nn.Embedding``, and
+:class:`SparseEmbedding` for ``nn.Embedding`` (:class:`SparseTiedHead` for an output layer tied to
+it), and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
 ``layer`` holds the linear layer, ``attention`` the attention, ``conv`` the convolution
 (``conv_base`` what it shares with ``conv_transpose``, the transposed one; ``conv_rows`` its im2col
 training node, ``conv1d`` and ``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and
 ``conv_transpose3d`` the 3-D ones, ``plane`` how those compute with the 2-D kernels), ``embedding``
-the embedding, ``convert``
+the embedding, ``tied_head`` the output layer that shares its table, ``convert``
 the model conversion, ``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and
 ``torch.export`` call for a layer, ``locking`` the lock that keeps rewires atomic for forwards in
 other threads.
@@ -28,10 +29,12 @@ from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.convert import densify, sparsify
 from snack.nn.embedding import SparseEmbedding
 from snack.nn.layer import SparseLinear
+from snack.nn.tied_head import SparseTiedHead
 
 __all__ = [
     "SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConvTranspose1d", "SparseConvTranspose2d",
-    "SparseConvTranspose3d", "SparseEmbedding", "SparseLinear", "SparseMultiheadAttention", "densify", "sparsify",
+    "SparseConvTranspose3d", "SparseEmbedding", "SparseLinear", "SparseMultiheadAttention", "SparseTiedHead", "densify",
+    "sparsify",
 ]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
@@ -45,6 +48,7 @@ SparseConvTranspose1d.__module__ = __name__
 SparseConvTranspose3d.__module__ = __name__
 SparseMultiheadAttention.__module__ = __name__
 SparseEmbedding.__module__ = __name__
+SparseTiedHead.__module__ = __name__
 
 # Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls
 # by their module and name (the old ones from here).

@@ -275,16 +275,13 @@ class SparseMultiheadAttention(nn.Module):
         through the module (a ``get_attr`` node), as it records ``nn.MultiheadAttention`` as one
         node; the call computes with the projections' connections of the moment."""
         tracer = next((a.tracer for a in arguments if isinstance(a, torch.fx.Proxy)), None)
-        try:
-            path = tracer.path_of_module(self) if tracer is not None and tracer.root is not self else None
-        except NameError:
-            path = None
-        if not path:
+        attention = tracing.fx_module_reference(self, tracer)
+        if attention is None:
             raise NotImplementedError(
                 "torch.fx.symbolic_trace of a SparseMultiheadAttention itself (as the root, or given no traced input): "
                 "trace a module that holds it"
             )
-        return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), *arguments)
+        return tracing.fx_layer_forward(attention, *arguments)
 
     def _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:
         """Raise where a call's arguments do not fit; whether its inputs are batched."""

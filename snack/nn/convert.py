@@ -23,6 +23,7 @@ from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.embedding import SparseEmbedding, unsupported_options
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
+from snack.nn.tied_head import SparseTiedHead
 
 __all__ = ["densify", "sparsify"]
 
@@ -138,10 +139,46 @@ class _LeftDense(NamedTuple):
 
 class _Chosen(NamedTuple):
     """What ``sparsify`` converts: ``layers`` ``{first name: (module, all its names, weight (out, in),
-    bias)}`` and ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}``."""
+    bias)}``, ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}`` and ``heads``
+    ``{first name: (nn.Linear, all its names, the nn.Embedding whose weight it shares)}``."""
 
     layers: dict[str, tuple[nn.Module, list[str], Tensor, Tensor | None]]
     attentions: dict[str, tuple[nn.MultiheadAttention, list[str]]]
+    heads: dict[str, tuple[nn.Linear, list[str], nn.Embedding]]
+
+
+def _tied_heads(
+    modules: dict[int, tuple[nn.Module, list[str]]], owners: dict[int, list[str]], include: list[str] | None,
+    exclude: list[str] | None,
+) -> dict[int, nn.Embedding]:
+    """``{id(linear): embedding}`` of the output layers ``sparsify(embeddings=True)`` converts
+    with the embedding whose weight they share (into :class:`SparseTiedHead`): an ``nn.Embedding``
+    it may convert whose weight every other holder holds as the ``weight`` of an ``nn.Linear``
+    (exactly; no forward pre-hooks, its bias its own), all selected."""
+    by_name = {name: child for child, names in modules.values() for name in names}
+    heads: dict[int, nn.Embedding] = {}
+    for child, names in modules.values():
+        if type(child) is not nn.Embedding or unsupported_options(child) or child._forward_pre_hooks:
+            continue
+        holders = {id(by_name[name]): by_name[name] for name in owners[id(child.weight)] if name not in names}
+        if holders and _selected(names, include, exclude) and all(
+            _is_head_of(holder, child, modules[id(holder)][1], owners, include, exclude) for holder in holders.values()
+        ):
+            heads.update(dict.fromkeys(holders, child))
+    return heads
+
+
+def _is_head_of(
+    module: nn.Module, embedding: nn.Embedding, names: list[str], owners: dict[int, list[str]],
+    include: list[str] | None, exclude: list[str] | None,
+) -> bool:
+    """Whether ``module`` (reachable under ``names``) is an output layer ``sparsify`` converts into a
+    :class:`SparseTiedHead` of ``embedding``."""
+    return (
+        type(module) is nn.Linear and module.weight is embedding.weight and not module._forward_pre_hooks
+        and (module.bias is None or set(owners[id(module.bias)]) <= set(names))
+        and _selected(names, include, exclude)
+    )
 
 
 def _choose_layers(
@@ -149,8 +186,9 @@ def _choose_layers(
     embeddings: bool,
 ) -> tuple[_Chosen, _LeftDense]:
     """The layers and attentions to convert, and the selected ones left dense."""
-    chosen, left_dense = _Chosen({}, {}), _LeftDense([], [], [], [], [])
+    chosen, left_dense = _Chosen({}, {}, {}), _LeftDense([], [], [], [], [])
     owners = _parameter_owners(modules)
+    heads = _tied_heads(modules, owners, include, exclude) if embeddings else {}
     attention_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
     for child, names in modules.values():
         if any(_inside(name, attention_names) for name in names):
@@ -160,6 +198,9 @@ def _choose_layers(
         if not _selected(names, include, exclude):
             continue
         shown = names[0] or "(root)"
+        if id(child) in heads:
+            chosen.heads[names[0]] = (child, names, heads[id(child)])
+            continue
         if type(child) is nn.MultiheadAttention:
             parameters = list(child.parameters())
         elif isinstance(child, nn.Embedding) and embeddings and unsupported_options(child):
@@ -174,7 +215,10 @@ def _choose_layers(
             if isinstance(child, nn.modules.conv._ConvNd):
                 left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
             continue
-        held_elsewhere = {other for p in parameters for other in owners[id(p)] if not _inside(other, names)}
+        its_heads = [name for head, embedding in heads.items() if embedding is child for name in modules[head][1]]
+        held_elsewhere = {
+            other for p in parameters for other in owners[id(p)] if not _inside(other, names) and other not in its_heads
+        }
         if child._forward_pre_hooks:
             left_dense.hooked.append(shown)
         elif held_elsewhere:
@@ -189,6 +233,11 @@ def _choose_layers(
 def _inside(name: str, prefixes: list[str]) -> bool:
     """Whether the module ``name`` is one of ``prefixes`` or inside one (``""`` is the root)."""
     return any(name == p or p == "" or name.startswith(p + ".") for p in prefixes)
+
+
+def _strictly_inside(name: str, prefix: str) -> bool:
+    """Whether the module ``name`` is inside the module ``prefix`` (not ``prefix`` itself)."""
+    return name != prefix and _inside(name, [prefix])
 
 
 def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
@@ -225,8 +274,9 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if tied:
         warnings.warn(
             f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
-            f"{', '.join(tied)}. A sparse copy would untie them (GPT-2's lm_head shares wte's weight); exclude the "
-            "layers to silence this warning.",
+            f"{', '.join(tied)}. A sparse copy would untie them; exclude the layers to silence this warning "
+            "(an nn.Linear output layer tied to an nn.Embedding, GPT-2's lm_head and wte, is converted with it into a "
+            "SparseTiedHead with embeddings=True, if both are selected).",
             stacklevel=3,
         )
 
@@ -260,8 +310,11 @@ def sparsify(
             materialised, by ``to_empty()`` and ``reset_parameters()``).
         embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` (off by
             default: dynamic sparse training usually keeps embeddings dense). One with
-            ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning, and
-            so does one tied to an output layer (GPT-2's ``wte``); ``padding_idx`` carries over.
+            ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning;
+            ``padding_idx`` carries over. An ``nn.Linear`` output layer that shares its weight
+            (GPT-2's ``lm_head``, tied to ``wte``) becomes a :class:`SparseTiedHead` of the sparse
+            embedding (its bias kept), if selected too: the pair stays tied, one table of
+            connections, counted once by ``distribution``.
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
@@ -275,7 +328,8 @@ def sparsify(
     included and none excluded). Hooks registered on a replaced layer are not carried over; a
     layer with forward pre-hooks (``torch.nn.utils.prune``, ``weight_norm``), whose ``.weight``
     may be stale, stays dense, with a warning, and so does one whose weight or bias is tied to
-    another module (GPT-2's ``lm_head`` shares ``wte``'s weight): a sparse copy would untie them.
+    another module (but for an output layer tied to an embedding, see ``embeddings``): a sparse
+    copy would untie them.
     Grouped and depthwise convolutions are converted too (ERK weighs their ``(out, in / groups, kh,
     kw)`` kernels: a depthwise one, of few weights, gets a high density). On the CPU a sparse
     depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
@@ -319,6 +373,9 @@ def sparsify(
         else:
             attention = SparseMultiheadAttention._random_like(child, sparsities)
         converted.update(dict.fromkeys(names, attention))
+    for name, (child, names, embedding) in chosen.heads.items():
+        head = _sparse_head(child, converted[modules[id(embedding)][1][0]])
+        converted.update(dict.fromkeys(names, head))
     _turn_off_nested_tensor_fast_paths(modules, converted)
     return _install(module, converted)
 
@@ -365,6 +422,18 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
     return SparseLinear(
         in_features, out_features, bias is not None, sparsity=sparsity, device=weight.device, dtype=weight.dtype
     )
+
+
+def _sparse_head(linear: nn.Linear, embedding: SparseEmbedding) -> SparseTiedHead:
+    """The :class:`SparseTiedHead` of ``embedding`` (the sparse one its weight's embedding became)
+    that replaces ``linear``, with a copy of its bias."""
+    head = SparseTiedHead(embedding, bias=linear.bias is not None)
+    if linear.bias is not None:
+        with torch.no_grad():
+            head.bias.copy_(linear.bias)
+        head.bias.requires_grad_(linear.bias.requires_grad)
+    head.training = linear.training  # (not train(): that would set the embedding's too)
+    return head
 
 
 def _warn_about_what_sparsify_missed(
@@ -437,10 +506,15 @@ def densify(module: nn.Module) -> nn.Module:
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
-    converted, attention_names = {}, []
-    for child, names in _modules_by_identity(module).values():
+    converted, attention_names, dense_of = {}, [], {}
+    modules = _modules_by_identity(module)
+    heads = [(child, names) for child, names in modules.values() if isinstance(child, SparseTiedHead)]
+    head_names = [name for _, names in heads for name in names]
+    for child, names in modules.values():
         if any(_inside(name, attention_names) for name in names):
             continue  # a projection of an attention converted whole
+        # (a tied head's embedding: where the model holds it; the head becomes an nn.Linear below)
+        names = [name for name in names if not any(_strictly_inside(name, head) for head in head_names)]
         if isinstance(child, SparseMultiheadAttention):
             attention_names.extend(names)
             converted.update(dict.fromkeys(names, child.to_dense_module()))
@@ -454,7 +528,25 @@ def densify(module: nn.Module) -> nn.Module:
             dense_bias = getattr(dense, "bias", None)  # (an nn.Embedding has none)
             _keep_module_state(dense, child, [(dense.weight, child.values), (dense_bias, child.bias)])
             converted.update(dict.fromkeys(names, dense))
+            dense_of[id(child)] = dense
+    for head, names in heads:
+        converted.update(dict.fromkeys(names, _dense_head(head, dense_of[id(head.embedding)])))
     return _install(module, converted)
+
+
+def _dense_head(head: SparseTiedHead, embedding: nn.Embedding) -> nn.Linear:
+    """The ``nn.Linear`` ``densify`` makes of ``head``: its weight is ``embedding``'s (the dense
+    one the head's embedding became), tied as before ``sparsify``."""
+    dense = nn.utils.skip_init(
+        nn.Linear, head.in_features, head.out_features, head.bias is not None, device=embedding.weight.device,
+        dtype=embedding.weight.dtype,
+    )
+    dense.weight = embedding.weight
+    if head.bias is not None:
+        with torch.no_grad():
+            dense.bias.copy_(head.bias)
+    _keep_module_state(dense, head, [(dense.bias, head.bias)])
+    return dense
 
 
 def _dense_twin(layer: SparseLinear) -> dict:

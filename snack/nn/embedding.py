@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms, without_padding_gradient
 from snack.func import transforms_active
@@ -57,6 +59,10 @@ class SparseEmbedding(SparseLinear):
         sparsity: fraction of zero entries in ``[0, 1)``; ``round((1 - sparsity) · num_embeddings ·
             embedding_dim)`` connections (at least one; with ``padding_idx``, of the other rows).
         device, dtype: of ``values`` (indices are int32 on ``device``).
+
+    :meth:`attend` uses the table as an output layer (``hidden · tableᵀ``, the logits of a language
+    model whose head is tied to its token embedding, GPT-2's ``lm_head``); :class:`SparseTiedHead`
+    is that head as a module.
 
     ``nn.Embedding``'s ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no counterpart
     (:meth:`from_dense` refuses a layer that sets them). Use :meth:`from_dense` to keep the largest
@@ -125,6 +131,15 @@ class SparseEmbedding(SparseLinear):
         layer = cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
         layer.padding_idx = padding_idx  # (nn.Embedding's, normalised and checked)
         return layer
+
+    def _init_state(self, in_features, out_features, row, col, values, bias) -> None:
+        super()._init_state(in_features, out_features, row, col, values, bias)
+        # hooks called after each attend() as forward hooks are after forward (see _register_attend_hook)
+        self._attend_hooks: OrderedDict[int, object] = OrderedDict()
+
+    def __setstate__(self, state):
+        state.setdefault("_attend_hooks", OrderedDict())  # pickled before attend() existed
+        super().__setstate__(state)
 
     @classmethod
     def _from_parts(cls, in_features, out_features, row, col, values, bias) -> SparseEmbedding:
@@ -196,6 +211,50 @@ class SparseEmbedding(SparseLinear):
         output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
         return without_padding_gradient(output, ids, self.padding_idx).view(*input.shape, self.embedding_dim)
 
+    def attend(self, hidden: Tensor) -> Tensor:
+        """The table as an output layer: ``hidden (*, embedding_dim)`` → logits ``(*,
+        num_embeddings)``, ``hidden · tableᵀ`` (GPT-2's ``lm_head``, whose weight is its token
+        embedding's; :class:`SparseTiedHead` is this as a module, with an optional bias).
+
+        It is :class:`SparseLinear`'s forward on the table (``in_features = embedding_dim``), so it
+        runs the same kernels and never builds the dense table; its gradient adds to the lookup's
+        in ``values.grad``. ``hidden`` must have the layer's dtype (as ``nn.Linear``'s input does;
+        under ``torch.autocast`` both are cast). The padding row (``padding_idx``), which has no
+        connections, gives logit 0. Dynamic sparse training scores growth from both uses: RigL
+        records each call's ``hidden`` and logits' gradient as well as the lookups' ids and output
+        gradients (:meth:`snack.dst.DynamicSparsity.recorded_head_batch`)."""
+        if tracing.fx_symbolic_tracing():
+            return self._fx_attend(hidden)
+        if not isinstance(hidden, Tensor):
+            raise TypeError(f"SparseEmbedding.attend expects a Tensor, got {type(hidden).__name__}")
+        if hidden.dim() == 0 or self._width_differs(hidden):
+            raise ValueError(
+                f"SparseEmbedding.attend: hidden must have shape (*, embedding_dim={self.embedding_dim}), "
+                f"got {tuple(hidden.shape)}"
+            )
+        logits = self._product(hidden)
+        for hook in tuple(self._attend_hooks.values()):
+            hook(self, (hidden,), {}, logits)
+        return logits
+
+    def _register_attend_hook(self, hook) -> RemovableHandle:
+        """Call ``hook(layer, (hidden,), {}, logits)`` after each :meth:`attend`, as a forward hook
+        registered ``with_kwargs=True`` is called after each forward (RigL's recording hooks)."""
+        handle = RemovableHandle(self._attend_hooks)
+        self._attend_hooks[handle.id] = hook
+        return handle
+
+    def _fx_attend(self, hidden):
+        """What ``torch.fx.symbolic_trace`` records for :meth:`attend`: one call of it on this layer,
+        reached through the program's root (as :meth:`SparseLinear._fx_forward` does), or on the
+        layer's tensors when the root cannot reach it."""
+        proxy = hidden if isinstance(hidden, torch.fx.Proxy) else self.values
+        layer = tracing.fx_module_reference(self, proxy.tracer if isinstance(proxy, torch.fx.Proxy) else None)
+        if layer is not None:
+            return tracing.fx_embedding_attend(layer, hidden)
+        shape = (self.out_features, self.in_features)
+        return tracing.fx_sparse_linear(hidden, self.values, None, self.row, self.col, *shape)
+
     def _check_ids(self, ids: Tensor) -> None:
         """Raise ``IndexError`` (as ``nn.Embedding`` does) for an id outside ``[0, num_embeddings)``:
         the lookup would read out of bounds (one reduction, and a sync on a GPU)."""
@@ -238,8 +297,12 @@ class SparseEmbedding(SparseLinear):
     def _output_width(self) -> int:
         return self.embedding_dim
 
-    def _empty_records(self, values: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.empty(0, dtype=torch.int64, device=values.device), values.new_empty(0, self.embedding_dim)
+    def _empty_records(self, values: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(ids (0,), dY (0, embedding_dim), hidden (0, embedding_dim), dlogits (0,
+        num_embeddings))``: the lookups' records and the head's (:meth:`attend`), of no rows."""
+        ids = torch.empty(0, dtype=torch.int64, device=values.device)
+        rows = values.new_empty(0, self.embedding_dim)
+        return ids, rows, rows.clone(), values.new_empty(0, self.num_embeddings)
 
     # ------------------------------------------------------------------ conversion
 

@@ -523,13 +523,9 @@ class SparseLinear(nn.Module):
         # the tracer: the input's, or (a buffer, a tensor made in forward) the values', which
         # tracing turns into a Proxy (a get_attr node, left unused then)
         proxy = input if isinstance(input, torch.fx.Proxy) else self.values
-        tracer = proxy.tracer if isinstance(proxy, torch.fx.Proxy) else None
-        try:
-            path = tracer.path_of_module(self) if tracer is not None and tracer.root is not self else None
-        except NameError:
-            path = None
-        if path:
-            return tracing.fx_layer_forward(tracer.create_proxy("get_attr", path, (), {}), input, *args)
+        layer = tracing.fx_module_reference(self, proxy.tracer if isinstance(proxy, torch.fx.Proxy) else None)
+        if layer is not None:
+            return tracing.fx_layer_forward(layer, input, *args)
         return self._fx_root_forward(input, *args)
 
     def _fx_root_forward(self, input):

@@ -63,11 +63,31 @@ def fx_layer_forward(layer: SparseLinear, x: Tensor, *args) -> Tensor:
     return layer.forward(x, *args)
 
 
+def fx_embedding_attend(embedding, hidden: Tensor) -> Tensor:
+    """``embedding.attend(hidden)`` (:meth:`SparseEmbedding.attend`): what a program made by
+    ``torch.fx.symbolic_trace`` calls for a tied head's use of an embedding its root holds."""
+    return embedding.attend(hidden)
+
+
 # symbolic_trace records calls to these instead of tracing into them
 torch.fx.wrap("fx_sparse_linear")
 torch.fx.wrap("fx_sparse_linear_transposed")
 torch.fx.wrap("fx_sparse_embedding")
 torch.fx.wrap("fx_layer_forward")
+torch.fx.wrap("fx_embedding_attend")
+
+
+def fx_module_reference(module: torch.nn.Module, tracer) -> torch.fx.Proxy | None:
+    """A ``get_attr`` node for ``module`` in the program ``tracer`` records, reached through the
+    root by the module's path, so that the program computes with the module's state of the
+    moment; ``None`` where there is no tracer, the module is the root, or the root does not hold it."""
+    if tracer is None or tracer.root is module:
+        return None
+    try:
+        path = tracer.path_of_module(module)
+    except NameError:
+        return None
+    return tracer.create_proxy("get_attr", path, (), {}) if path else None
 
 
 def fx_symbolic_tracing() -> bool:
