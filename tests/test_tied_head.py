@@ -147,6 +147,20 @@ def _pickled(model: nn.Module) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
+def test_built_on_the_meta_device_and_materialised():
+    with torch.device("meta"):
+        model = snack.sparsify(_TiedLM(bias=True, dtype=torch.float32), 0.8, embeddings=True, init="random")
+    assert model.head.bias.is_meta and model.head.embedding is model.embedding
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert torch.equal(model.head.bias, torch.zeros(40)) and model.embedding.nnz == round(0.2 * 40 * 12)
+    hidden = torch.randn(2, 12)
+    torch.testing.assert_close(model.head(hidden), F.linear(hidden, model.embedding.to_dense()))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
 def test_compiled_fx_and_exported_programs_match_eager():
     torch._dynamo.reset()
     model = snack.sparsify(_TiedLM(dtype=torch.float32), 0.7, embeddings=True)
@@ -168,6 +182,29 @@ def test_compiled_fx_and_exported_programs_match_eager():
     torch.testing.assert_close(root(hidden), twin.head(hidden))
     program = torch.export.export(twin, (ids,))
     torch.testing.assert_close(program.module()(ids), twin(ids))
+    torch.testing.assert_close(torch.jit.trace(twin, (ids,), check_trace=False)(ids), twin(ids))
+
+
+def test_rigl_records_the_head_of_a_compiled_model():
+    torch._dynamo.reset()
+    model = snack.sparsify(_TiedLM(dtype=torch.float32), 0.7, embeddings=True)
+    seen = {}
+
+    class Recording(snack.dst.DropGrow):
+        needs_gradient = True
+
+        def grow(self, layer, k):
+            seen["head"] = self.recorded_head_batch(layer)
+            return random_grow(layer.growth_topology, k, self.generator)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    dst = Recording(model, optimizer, update_every=1, total_steps=10, layers=[model.embedding])
+    ids = torch.randint(0, 40, (3, 5))
+    torch.compile(model)(ids).sum().backward()
+    optimizer.step()
+    assert dst.step()
+    hidden, dlogits = seen["head"]
+    assert hidden.shape == (15, 12) and torch.equal(dlogits, torch.ones(15, 40))
 
 
 def test_per_sample_gradients_through_both_uses():
@@ -215,7 +252,7 @@ def test_gradient_grow_head_errors():
     hidden, dlogits = torch.randn(4, 7, dtype=torch.float64), torch.randn(4, 30, dtype=torch.float64)
     with pytest.raises(ValueError, match="head= is for an embedding's table"):
         gradient_grow(dy, torch.randn(5, 30, dtype=torch.float64), layer.topology, 3, head=(hidden, dlogits))
-    with pytest.raises(ValueError, match=r"head must be \(hidden \(B, 7\), dlogits \(B, 30\)\); got shapes \(4, 7\) and"):
+    with pytest.raises(ValueError, match=r"head must be \(hidden \(B, 7\), dlogits \(B, 30\)\); got shapes \(4, 7\)"):
         gradient_grow(ids, dy, layer.topology, 3, head=(hidden, dlogits[:3]))
     with pytest.raises(TypeError, match="head must be a pair of tensors"):
         gradient_grow(ids, dy, layer.topology, 3, head=hidden)

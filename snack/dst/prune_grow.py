@@ -181,10 +181,12 @@ def _grow_from_ids(
         hidden, dlogits = _checked_head(head, topology)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=topology.device)
-    scores = _EmbeddingScores(ids, dy, topology)
-    if head is not None:
-        scores = _SummedScores([scores, _GradientScores(hidden, dlogits, topology)])
-    return _best_k_scores(scores, k, block_elements)
+    if head is None:
+        return _best_k_scores(_EmbeddingScores(ids, dy, topology), k, block_elements)
+    if ids.numel() == 0:  # the table served only as the head: a linear layer's scores
+        return _best_k_scores(_GradientScores(hidden, dlogits, topology), k, block_elements)
+    parts = [_EmbeddingScores(ids, dy, topology), _GradientScores(hidden, dlogits, topology, allow_native=False)]
+    return _best_k_scores(_SummedScores(parts), k, block_elements)
 
 
 def _checked_head(head, topology: Topology) -> tuple[Tensor, Tensor]:
@@ -229,16 +231,18 @@ class _GradientScores:
     (another summation order).
 
     With ``groups > 1`` (a grouped convolution's rows ``x (B, groups · in)``) output row ``r``
-    is scored against the ``in`` columns of its group, ``r // (out / groups)``."""
+    is scored against the ``in`` columns of its group, ``r // (out / groups)``. ``allow_native=False``
+    for a part of :class:`_SummedScores`, which forms the parts' gradients, never the kernel's
+    scores (its contiguous copies would be wasted)."""
 
-    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, groups: int = 1):
+    def __init__(self, x: Tensor, dy: Tensor, topology: Topology, groups: int = 1, *, allow_native: bool = True):
         # 16-bit records are scored in float32: float16 sums overflow at 65504 (inf scores,
         # arbitrary picks) and bfloat16 rounds close scores into ties (x once, dy a few rows at a
         # time: the copy adds B·in elements, not B·(in + out))
         self.dtype = torch.promote_types(x.dtype, torch.float32)
         self.x, self.dy_t = x.to(self.dtype), dy.t()
         self.topology, self.groups = topology, groups
-        self.native = groups == 1 and x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
+        self.native = allow_native and groups == 1 and x.shape[0] <= _NATIVE_MAX_BATCH and native_for(x, dy)
         if self.native:  # (contiguous copies: B·(in + out) elements)
             self.x, self.dy_t = self.x.contiguous(), self.dy_t.to(self.dtype).contiguous()
 

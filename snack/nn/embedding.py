@@ -301,8 +301,8 @@ class SparseEmbedding(SparseLinear):
         """``(ids (0,), dY (0, embedding_dim), hidden (0, embedding_dim), dlogits (0,
         num_embeddings))``: the lookups' records and the head's (:meth:`attend`), of no rows."""
         ids = torch.empty(0, dtype=torch.int64, device=values.device)
-        rows = values.new_empty(0, self.embedding_dim)
-        return ids, rows, rows.clone(), values.new_empty(0, self.num_embeddings)
+        width = (self.embedding_dim, self.embedding_dim, self.num_embeddings)
+        return ids, *(values.new_empty(0, w) for w in width)
 
     # ------------------------------------------------------------------ conversion
 

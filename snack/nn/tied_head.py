@@ -33,13 +33,22 @@ class SparseTiedHead(nn.Module):
     def __init__(self, embedding: SparseEmbedding, bias: bool = False):
         super().__init__()
         if not isinstance(embedding, SparseEmbedding):
-            raise TypeError(f"SparseTiedHead: embedding must be a snack.SparseEmbedding, got {type(embedding).__name__}")
+            raise TypeError(
+                f"SparseTiedHead: embedding must be a snack.SparseEmbedding, got {type(embedding).__name__}"
+            )
         if not isinstance(bias, bool):
             raise TypeError(f"SparseTiedHead: bias must be a bool, got {type(bias).__name__} {bias!r}")
         self.embedding = embedding
-        values = embedding.values
-        self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings, device=values.device, dtype=values.dtype)) \
-            if bias else None
+        self.bias = None
+        if bias:
+            values = embedding.values
+            self.bias = nn.Parameter(torch.zeros(embedding.num_embeddings, device=values.device, dtype=values.dtype))
+
+    def reset_parameters(self) -> None:
+        """Zero the bias (the table is the embedding's: its own ``reset_parameters`` draws it)."""
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
 
     @property
     def in_features(self) -> int:
@@ -58,9 +67,9 @@ class SparseTiedHead(nn.Module):
     def __getattr__(self, name: str):
         if name == "weight":
             raise AttributeError(
-                "SparseTiedHead has no dense weight: its weight is the table of its `embedding` (a snack.SparseEmbedding, "
-                "whose to_dense() builds it); snack.densify(model) turns the pair back into a tied nn.Embedding and "
-                "nn.Linear"
+                "SparseTiedHead has no dense weight: its weight is the table of its `embedding` (a "
+                "snack.SparseEmbedding, whose to_dense() builds it); snack.densify(model) turns the pair back into a "
+                "tied nn.Embedding and nn.Linear"
             )
         return super().__getattr__(name)
 
