@@ -380,6 +380,18 @@ def test_sparsify_counts_the_tied_table_once():
     assert model.embedding.nnz + model.mid.nnz == round(0.2 * (200 * 16 + 16 * 16))
 
 
+def test_sparsify_random_init_keeps_the_dense_tables_scale():
+    """GPT-2 draws its table with std 0.02: a random sparse table's rows and logits keep that scale
+    (SparseEmbedding's own init has nn.Embedding's 1, logits 50 times as large)."""
+    dense = _TiedLM(2000, 64, dtype=torch.float32)
+    nn.init.normal_(dense.embedding.weight, std=0.02)
+    model = snack.sparsify(dense, 0.9, embeddings=True, init="random")
+    table = model.embedding.to_dense()
+    assert table.square().mean().sqrt().item() == pytest.approx(0.02, rel=0.05)
+    hidden = torch.randn(256, 64)
+    assert model.head(hidden).std().item() == pytest.approx(0.02 * 64**0.5, rel=0.1)
+
+
 def test_a_tie_sparsify_cannot_keep_stays_dense_with_a_warning():
     for options in (dict(exclude="head"), dict(include="embedding"), dict()):
         model = _TiedLM()

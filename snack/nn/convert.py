@@ -307,7 +307,10 @@ def sparsify(
             converted when it matches some ``include`` (default: all) and no ``exclude``.
         init: ``"magnitude"`` keeps each layer's largest-magnitude weights; ``"random"`` draws a
             fresh random topology and variance-preserving init (on the meta device: once
-            materialised, by ``to_empty()`` and ``reset_parameters()``).
+            materialised, by ``to_empty()`` and ``reset_parameters()``). An embedding's values are
+            then scaled to the dense table's root mean square, so that its rows, and a tied head's
+            logits, keep the dense model's scale (GPT-2 draws its table with std 0.02, where
+            ``SparseEmbedding``'s own init keeps ``nn.Embedding``'s 1; not on the meta device).
         embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` (off by
             default: dynamic sparse training usually keeps embeddings dense). One with
             ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning;
@@ -408,9 +411,13 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
     if type(dense) is nn.Embedding:
         if init == "magnitude":
             return SparseEmbedding.from_dense(dense, sparsity=sparsity)
-        return SparseEmbedding(
+        layer = SparseEmbedding(
             *weight.shape, dense.padding_idx, sparsity=sparsity, device=weight.device, dtype=weight.dtype
         )
+        if weight.device.type != "meta":  # (N(0, 1)'s root mean square is 1: nn.Embedding's default unchanged)
+            with torch.no_grad():
+                layer.values.mul_(weight.detach().double().square().mean().sqrt().to(weight.dtype))
+        return layer
     sparse_convolution = SPARSE_CONVOLUTIONS.get(type(dense))
     if sparse_convolution is not None:
         if init == "magnitude":
