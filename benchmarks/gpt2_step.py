@@ -1,13 +1,16 @@
 """GPT-2 small (``transformers``' ``GPT2LMHeadModel``, 124 M parameters) sparsified whole by
-``snack.sparsify(..., embeddings=True)`` against the dense model: a training step.
+``snack.sparsify(..., embeddings=True)`` against the dense model: a training step, and greedy
+decoding.
 
-Usage: ``.venv/bin/python benchmarks/gpt2_step.py`` (about five minutes); writes
+Usage: ``.venv/bin/python benchmarks/gpt2_step.py`` (about two minutes); writes
 ``benchmarks/gpt2_step.txt``, which the README quotes.
 
 The model is GPT-2 small's configuration (12 blocks, width 768, 12 heads, 50,257 tokens, the
 token embedding tied to the output layer), randomly initialised, dropout off. A step: one
 sequence of ``LENGTH`` random tokens, the language-model loss (``labels=`` the tokens), backward,
-and a fused AdamW step. Variants, sparsified uniformly with a random topology
+and a fused AdamW step. Decoding: ``generate`` (greedy, with its key-value cache, no grad) of
+``NEW_TOKENS`` tokens after a prompt of ``PROMPT``, one sequence: single-stream inference, where
+each new token runs every layer at batch 1. Variants, sparsified uniformly with a random topology
 (``init="random"``):
 
 - ``dense``: the model as built.
@@ -35,6 +38,7 @@ from snack.bench.report import ResultLines, out_argument
 from snack.bench.timing import interleaved_medians
 
 LENGTH = 256
+PROMPT, NEW_TOKENS = 32, 64
 SAMPLES = 5
 OUT = Path(__file__).with_name("gpt2_step.txt")
 
@@ -64,6 +68,16 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tens
     return run
 
 
+def _decode(model: nn.Module, prompt: torch.Tensor):
+    def run() -> None:
+        model.eval()
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+
+    return run
+
+
 def _state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
@@ -82,14 +96,19 @@ def main() -> None:
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) for name, model in built.items()}
     steps = {name: _step(model, optimizers[name], tokens) for name, model in built.items()}
     ms = {name: s * 1e3 for name, s in interleaved_medians(steps, device, SAMPLES).items()}
+    prompt = tokens[:, :PROMPT]
+    decodes = {name: _decode(model, prompt) for name, model in built.items()}
+    rate = {name: NEW_TOKENS / s for name, s in interleaved_medians(decodes, device, SAMPLES).items()}
     lines(f"GPT-2 small (transformers GPT2LMHeadModel, 12 × 768, 50,257 tokens, tied head), a training step "
-          f"(1 × {LENGTH} tokens, LM loss, backward, fused AdamW), float32, {torch.get_num_threads()} threads; "
-          f"uniform sparsity, random topology; medians of {SAMPLES} interleaved samples")
+          f"(1 × {LENGTH} tokens, LM loss, backward, fused AdamW) and greedy decoding ({NEW_TOKENS} tokens after "
+          f"{PROMPT}, key-value cache), float32, {torch.get_num_threads()} threads; uniform sparsity, random "
+          f"topology; medians of {SAMPLES} interleaved samples")  # fmt: skip
     lines("")
-    lines("| model | training ms | dense/snack | weights + AdamW MB |")
-    lines("|---|---|---|---|")
+    lines("| model | training ms | dense/snack | decoding tokens/s | snack/dense | weights + AdamW MB |")
+    lines("|---|---|---|---|---|---|")
     for name in built:
-        lines(f"| {name} | {ms[name]:.0f} | {ms['dense'] / ms[name]:.2f} | {_state_mb(built[name], optimizers[name]):.0f} |")
+        lines(f"| {name} | {ms[name]:.0f} | {ms['dense'] / ms[name]:.2f} | {rate[name]:.1f} | "
+              f"{rate[name] / rate['dense']:.2f} | {_state_mb(built[name], optimizers[name]):.0f} |")  # fmt: skip
     lines.save(out)
 
 
