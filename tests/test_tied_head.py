@@ -432,3 +432,30 @@ def test_gpt2_with_its_tied_head_sparsified_gives_the_same_logits_and_trains_wit
     model(tokens, labels=tokens).loss.backward()
     optimizer.step()
     assert dst.step() and not torch.equal(model.transformer.wte.indices(), before)
+
+
+def test_gpt2_trained_sparse_goes_back_to_transformers_own_layout(tmp_path):
+    """sparsify, a RigL step, densify: GPT-2's Conv1D layers and tied head come back as they were
+    built, so save_pretrained writes and from_pretrained reads the same model."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    model = snack.sparsify(transformers.GPT2LMHeadModel(config), 0.8, embeddings=True)
+    optimizer = torch.optim.Adam(model.parameters())
+    dst = snack.dst.RigL(model, optimizer, update_every=1, total_steps=10)
+    tokens = torch.randint(0, 50, (2, 8))
+    model(tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    assert dst.step()
+    model.eval()
+    with torch.no_grad():
+        expected = model(tokens).logits
+    snack.densify(model)
+    attention = model.transformer.h[0].attn.c_attn
+    assert type(attention) is transformers.pytorch_utils.Conv1D and attention.weight.shape == (32, 96)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    model.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, expected, rtol=1e-5, atol=1e-5)

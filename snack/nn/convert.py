@@ -24,6 +24,7 @@ from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.embedding import SparseEmbedding, unsupported_options
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 from snack.nn.tied_head import SparseTiedHead
+from snack.topology import linear_positions
 
 __all__ = ["densify", "sparsify"]
 
@@ -424,11 +425,15 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
             return sparse_convolution.from_dense(dense, sparsity=sparsity)
         return sparse_convolution._random_like(dense, sparsity)
     if init == "magnitude":
-        return SparseLinear.from_dense(weight, sparsity=sparsity, bias=bias)
-    out_features, in_features = weight.shape
-    return SparseLinear(
-        in_features, out_features, bias is not None, sparsity=sparsity, device=weight.device, dtype=weight.dtype
-    )
+        layer = SparseLinear.from_dense(weight, sparsity=sparsity, bias=bias)
+    else:
+        out_features, in_features = weight.shape
+        layer = SparseLinear(
+            in_features, out_features, bias is not None, sparsity=sparsity, device=weight.device, dtype=weight.dtype
+        )
+    if type(dense) is not nn.Linear:  # transformers' Conv1D: densify makes one again (_dense_layer)
+        layer._densify_to = type(dense)
+    return layer
 
 
 def _sparse_head(linear: nn.Linear, embedding: SparseEmbedding) -> SparseTiedHead:
@@ -511,6 +516,11 @@ def densify(module: nn.Module) -> nn.Module:
     :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``),
     in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
+    A layer ``sparsify`` made of ``transformers``' ``Conv1D`` (GPT-2's) becomes a ``Conv1D`` again,
+    and a :class:`SparseTiedHead` an ``nn.Linear`` tied to its dense embedding, so that a
+    ``transformers`` model trained sparse goes back to its own layout (``save_pretrained``,
+    ``from_pretrained``).
+
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
     converted, attention_names, dense_of = {}, [], {}
@@ -526,12 +536,7 @@ def densify(module: nn.Module) -> nn.Module:
             attention_names.extend(names)
             converted.update(dict.fromkeys(names, child.to_dense_module()))
         elif isinstance(child, SparseLinear):
-            # uninitialised, then written in place: no second dense copy, no init overwritten at once
-            dense = nn.utils.skip_init(**_dense_twin(child), device=child.values.device, dtype=child.values.dtype)
-            with torch.no_grad():
-                child._write_dense_into(dense.weight)
-                if child.bias is not None:
-                    dense.bias.copy_(child.bias)
+            dense = _dense_layer(child)
             dense_bias = getattr(dense, "bias", None)  # (an nn.Embedding has none)
             _keep_module_state(dense, child, [(dense.weight, child.values), (dense_bias, child.bias)])
             converted.update(dict.fromkeys(names, dense))
@@ -539,6 +544,29 @@ def densify(module: nn.Module) -> nn.Module:
     for head, names in heads:
         converted.update(dict.fromkeys(names, _dense_head(head, dense_of[id(head.embedding)])))
     return _install(module, converted)
+
+
+def _dense_layer(layer: SparseLinear) -> nn.Module:
+    """The dense layer ``densify`` makes of ``layer``: built uninitialised, then written in place
+    (no second dense copy, no init overwritten at once). One ``sparsify`` made of ``transformers``'
+    ``Conv1D`` becomes a ``Conv1D`` again, its weight stored ``(in, out)``, so that the model's
+    ``save_pretrained`` writes, and ``from_pretrained`` reads, the layout it had."""
+    device, dtype = layer.values.device, layer.values.dtype
+    conv1d = getattr(layer, "_densify_to", None)
+    if conv1d is not None:
+        with torch.device("meta"):  # (Conv1D takes no device: its init would draw the weight at once)
+            dense = conv1d(layer.out_features, layer.in_features)
+        dense = dense.to_empty(device=device).to(dtype)
+        positions = linear_positions(layer.col, layer.row, layer.out_features)  # (in, out) row-major
+        with torch.no_grad():
+            dense.weight.zero_().view(-1).index_put_((positions,), layer.values)
+    else:
+        dense = nn.utils.skip_init(**_dense_twin(layer), device=device, dtype=dtype)
+        layer._write_dense_into(dense.weight)
+    if layer.bias is not None:
+        with torch.no_grad():
+            dense.bias.copy_(layer.bias)
+    return dense
 
 
 def _dense_head(head: SparseTiedHead, embedding: nn.Embedding) -> nn.Linear:
