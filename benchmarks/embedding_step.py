@@ -64,7 +64,8 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor
     return run
 
 
-def _state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``module``'s parameters and buffers and of ``optimizer``'s per-element state."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -104,7 +105,7 @@ def main() -> None:
             variants = _variants(sparsity, ids)
             seconds = interleaved_medians({name: run for name, (run, _, _) in variants.items()}, device, SAMPLES)
             ms = {name: value * 1e3 for name, value in seconds.items()}
-            mib = {name: _state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
+            mib = {name: state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
             lines(
                 f"| {sequences}×{length} | {sparsity} | " + " | ".join(f"{ms[n]:.1f}" for n in names)
                 + f" | {ms['dense'] / ms['snack']:.1f}× | {ms['dense, sparse grad'] / ms['snack']:.1f}× | "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from embedding_step import state_bytes  # (this script's folder)
 from torch import nn
 
 import snack
@@ -78,13 +79,6 @@ def _decode(model: nn.Module, prompt: torch.Tensor):
     return run
 
 
-def _state_mb(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values()) / 2**20
-
-
 def main() -> None:
     out = out_argument(__doc__, OUT)
     transformers.logging.set_verbosity_error()  # (the config's loss type notice)
@@ -107,8 +101,9 @@ def main() -> None:
     lines("| model | training ms | dense/snack | decoding tokens/s | snack/dense | weights + AdamW MB |")
     lines("|---|---|---|---|---|---|")
     for name in built:
+        mb = state_bytes(built[name], optimizers[name]) / 2**20
         lines(f"| {name} | {ms[name]:.0f} | {ms['dense'] / ms[name]:.2f} | {rate[name]:.1f} | "
-              f"{rate[name] / rate['dense']:.2f} | {_state_mb(built[name], optimizers[name]):.0f} |")  # fmt: skip
+              f"{rate[name] / rate['dense']:.2f} | {mb:.0f} |")  # fmt: skip
     lines.save(out)
 
 

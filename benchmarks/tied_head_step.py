@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from embedding_step import state_bytes  # (this script's folder)
 from torch import nn
 
 import snack
@@ -77,12 +78,6 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor
     return run
 
 
-def _state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    tensors = [*module.parameters(), *module.buffers()]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _variants(sparsity: float, tokens: int) -> dict:
     sparse_embedding = snack.SparseEmbedding(VOCABULARY, WIDTH, sparsity=sparsity)
     modules = {
@@ -117,7 +112,7 @@ def main() -> None:
             variants = _variants(sparsity, tokens)
             seconds = interleaved_medians({name: run for name, (run, _, _) in variants.items()}, device, SAMPLES)
             ms = {name: value * 1e3 for name, value in seconds.items()}
-            mib = {name: _state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
+            mib = {name: state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
             lines(
                 f"| {tokens} | {sparsity} | " + " | ".join(f"{ms[n]:.1f}" for n in names)
                 + f" | {ms['dense'] / ms['snack']:.1f}× | {ms['Dense+Mask'] / ms['snack']:.1f}× | "
