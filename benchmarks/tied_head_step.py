@@ -4,11 +4,14 @@ snack.SparseTiedHead against nn.Embedding with an nn.Linear sharing its weight.
 Usage: ``.venv/bin/python benchmarks/tied_head_step.py`` (about two minutes); writes
 ``benchmarks/tied_head_step.txt``, which the README quotes.
 
-The table is GPT-2's (50,257 tokens × 768), used twice per step as in GPT-2: a sequence of token
-ids is looked up, and its rows (standing in for the transformer's output, as the blocks between
-cost the same in every variant) are turned into logits by the same table, ``h · tableᵀ``; then
-cross-entropy against the next tokens, backward, and a fused Adam step. The logits and their
-gradient, ``(tokens, 50,257)``, exist in every variant.
+The table is GPT-2's (50,257 tokens × 768, drawn as GPT-2 draws it: std 0.02, a sparse table's
+values scaled to the same root mean square as ``sparsify(init="random")`` does), used twice per
+step as in GPT-2: a sequence of token ids is looked up, and its rows, layer-normalised as GPT-2's
+final ``ln_f`` leaves the transformer's output (the blocks between cost the same in every
+variant), are turned into logits by the same table, ``h · tableᵀ``; then cross-entropy against
+the next tokens, backward, and a fused Adam step. The logits and their gradient, ``(tokens,
+50,257)``, exist in every variant; their standard deviation is about 0.55, as a fresh GPT-2's
+(at ``nn.Embedding``'s default scale, std 1, without the normalisation, it was about 28).
 
 - ``dense``: ``nn.Embedding`` and ``nn.Linear`` with ``lm_head.weight = wte.weight``.
 - ``Dense+Mask``: the dense table times a fixed 0/1 mask, for both uses.
@@ -36,6 +39,7 @@ VOCABULARY, WIDTH = 50_257, 768
 TOKENS = [128, 512]  # one sequence of this length
 SPARSITIES = [0.9, 0.99]
 SAMPLES = 5
+GPT2_STD = 0.02  # GPT-2's token table is drawn N(0, 0.02²)
 OUT = Path(__file__).with_name("tied_head_step.txt")
 
 
@@ -47,7 +51,7 @@ class _Tied(nn.Module):
         self.embedding, self.head = embedding, head
 
     def forward(self, ids):
-        return self.head(self.embedding(ids))
+        return self.head(F.layer_norm(self.embedding(ids), (WIDTH,)))
 
 
 class _DenseTimesMask(nn.Module):
@@ -60,11 +64,12 @@ class _DenseTimesMask(nn.Module):
 
     def forward(self, ids):
         table = self.weight * self.mask
-        return F.linear(F.embedding(ids, table), table)
+        return F.linear(F.layer_norm(F.embedding(ids, table), (WIDTH,)), table)
 
 
 def _dense_tied() -> nn.Module:
     embedding, head = nn.Embedding(VOCABULARY, WIDTH), nn.Linear(WIDTH, VOCABULARY, bias=False)
+    nn.init.normal_(embedding.weight, std=GPT2_STD)
     head.weight = embedding.weight
     return _Tied(embedding, head)
 
@@ -80,6 +85,8 @@ def _step(module: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor
 
 def _variants(sparsity: float, tokens: int) -> dict:
     sparse_embedding = snack.SparseEmbedding(VOCABULARY, WIDTH, sparsity=sparsity)
+    with torch.no_grad():
+        sparse_embedding.values.mul_(GPT2_STD)  # (its own init has nn.Embedding's root mean square, 1)
     modules = {
         "dense": _dense_tied(),
         "Dense+Mask": _DenseTimesMask(sparse_embedding),
