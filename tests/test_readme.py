@@ -55,6 +55,25 @@ def test_dynamic_sparse_training_example():
     assert namespace["model"][0].sparsity == pytest.approx(0.9, abs=0.1)
 
 
+def test_transformers_example_trains_and_saves_a_model_from_pretrained_reads(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)  # it saves gpt2-sparse/
+    torch.manual_seed(0)
+    tiny = "transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16)"
+    code = _block("import torch, transformers, snack")
+    assert "transformers.GPT2Config()" in code and "update_every=100" in code
+    code = code.replace("transformers.GPT2Config()", tiny).replace("update_every=100", "update_every=2")
+    batches = [torch.randint(0, 50, (2, 8)) for _ in range(4)]
+    namespace = {"T": len(batches), "batches": batches}
+    exec(code, namespace)
+    assert namespace["dst"].step_count == len(batches)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-sparse").eval()
+    model = namespace["model"].eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batches[0]).logits, model(batches[0]).logits)
+    assert (loaded.transformer.wte.weight == 0).float().mean() == pytest.approx(0.9, abs=0.01)
+
+
 def test_weight_averaging_example_follows_the_rewires():
     torch.manual_seed(0)
     data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
