@@ -410,6 +410,64 @@ def test_a_tie_sparsify_cannot_keep_stays_dense_with_a_warning():
     assert type(model.embedding) is nn.Embedding
 
 
+class _SharedTable(nn.Module):
+    """T5's layout: one table held by three modules, two embeddings and the head."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.shared = nn.Embedding(40, 12, padding_idx=padding_idx)
+        self.encoder_tokens = nn.Embedding(40, 12, padding_idx=padding_idx)
+        self.decoder_tokens = nn.Embedding(40, 12, padding_idx=padding_idx)
+        self.head = nn.Linear(12, 40, bias=False)
+        for module in (self.encoder_tokens, self.decoder_tokens, self.head):
+            module.weight = self.shared.weight
+
+    def forward(self, source, target):
+        context = self.encoder_tokens(source).mean(1, keepdim=True)
+        return self.head(torch.tanh(self.decoder_tokens(target) + context))
+
+
+def test_embeddings_sharing_a_table_become_one_sparse_embedding():
+    model = _SharedTable()
+    source, target = torch.randint(0, 40, (2, 5)), torch.randint(0, 40, (2, 4))
+    expected = model(source, target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snack.sparsify(model, 0.0, embeddings=True)
+    assert isinstance(model.shared, snack.SparseEmbedding)
+    assert model.encoder_tokens is model.shared and model.decoder_tokens is model.shared
+    assert model.head.embedding is model.shared
+    torch.testing.assert_close(model(source, target), expected)
+    snack.densify(model)
+    assert model.encoder_tokens is model.shared and model.head.weight is model.shared.weight
+    torch.testing.assert_close(model(source, target), expected)
+    # tables of another padding_idx are not one embedding: all stay dense
+    model = _SharedTable(padding_idx=0)
+    model.decoder_tokens.padding_idx = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        snack.sparsify(model, 0.5, embeddings=True)  # (and: converted no layer)
+    assert any("tied to another module's" in str(w.message) for w in caught)
+    assert type(model.shared) is nn.Embedding and model.head.weight is model.shared.weight
+
+
+def test_t5_with_its_shared_table_sparsified_gives_the_same_logits():
+    """T5's feed-forward reads wo.weight's dtype, which a sparse layer does not have: wo stays dense."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    source, target = torch.randint(1, 64, (2, 6)), torch.randint(1, 64, (2, 5))
+    with torch.no_grad():
+        expected = model(input_ids=source, labels=target).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        snack.sparsify(model, 0.0, embeddings=True, exclude="*.wo")
+    assert model.encoder.embed_tokens is model.shared and model.lm_head.embedding is model.shared
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=source, labels=target).logits, expected)
+
+
 def test_gpt2_with_its_tied_head_sparsified_gives_the_same_logits_and_trains_with_rigl():
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,

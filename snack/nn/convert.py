@@ -138,47 +138,59 @@ class _LeftDense(NamedTuple):
     tied: list[str]  # whose parameters another module holds too
 
 
+class _Tie(NamedTuple):
+    """A module that shares an ``nn.Embedding``'s table, converted with it."""
+
+    embedding: nn.Embedding  # the one converted: the first holder of the table that sparsify meets
+    head: bool  # an nn.Linear output layer (a SparseTiedHead); else an nn.Embedding (the same SparseEmbedding)
+
+
 class _Chosen(NamedTuple):
     """What ``sparsify`` converts: ``layers`` ``{first name: (module, all its names, weight (out, in),
-    bias)}``, ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}`` and ``heads``
-    ``{first name: (nn.Linear, all its names, the nn.Embedding whose weight it shares)}``."""
+    bias)}``, ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}`` and ``ties``
+    ``{first name: (module, all its names, its _Tie)}``."""
 
     layers: dict[str, tuple[nn.Module, list[str], Tensor, Tensor | None]]
     attentions: dict[str, tuple[nn.MultiheadAttention, list[str]]]
-    heads: dict[str, tuple[nn.Linear, list[str], nn.Embedding]]
+    ties: dict[str, tuple[nn.Module, list[str], _Tie]]
 
 
-def _tied_heads(
+def _ties(
     modules: dict[int, tuple[nn.Module, list[str]]], owners: dict[int, list[str]], include: list[str] | None,
     exclude: list[str] | None,
-) -> dict[int, nn.Embedding]:
-    """``{id(linear): embedding}`` of the output layers ``sparsify(embeddings=True)`` converts
-    with the embedding whose weight they share (into :class:`SparseTiedHead`): an ``nn.Embedding``
-    it may convert whose weight every other holder holds as the ``weight`` of an ``nn.Linear``
-    (exactly; no forward pre-hooks, its bias its own), all selected."""
+) -> dict[int, _Tie]:
+    """``{id(module): _Tie}`` of the modules ``sparsify(embeddings=True)`` converts with the
+    ``nn.Embedding`` whose weight they share: for an ``nn.Embedding`` it may convert, every other
+    holder of its weight must be an ``nn.Linear`` output layer (a :class:`SparseTiedHead`: GPT-2's
+    ``lm_head``) or an ``nn.Embedding`` of the same ``padding_idx`` (the same
+    :class:`SparseEmbedding`: T5's encoder and decoder tables), all selected; else none is tied."""
     by_name = {name: child for child, names in modules.values() for name in names}
-    heads: dict[int, nn.Embedding] = {}
+    ties: dict[int, _Tie] = {}
     for child, names in modules.values():
-        if type(child) is not nn.Embedding or unsupported_options(child) or child._forward_pre_hooks:
+        convertible = type(child) is nn.Embedding and not (unsupported_options(child) or child._forward_pre_hooks)
+        if not convertible or id(child) in ties:
             continue
         holders = {id(by_name[name]): by_name[name] for name in owners[id(child.weight)] if name not in names}
         if holders and _selected(names, include, exclude) and all(
-            _is_head_of(holder, child, modules[id(holder)][1], owners, include, exclude) for holder in holders.values()
+            _shares_table(holder, child, modules[id(holder)][1], owners, include, exclude)
+            for holder in holders.values()
         ):
-            heads.update(dict.fromkeys(holders, child))
-    return heads
+            ties.update({i: _Tie(child, type(holder) is nn.Linear) for i, holder in holders.items()})
+    return ties
 
 
-def _is_head_of(
+def _shares_table(
     module: nn.Module, embedding: nn.Embedding, names: list[str], owners: dict[int, list[str]],
     include: list[str] | None, exclude: list[str] | None,
 ) -> bool:
-    """Whether ``module`` (reachable under ``names``) is an output layer ``sparsify`` converts into a
-    :class:`SparseTiedHead` of ``embedding``."""
-    return (
-        type(module) is nn.Linear and module.weight is embedding.weight and not module._forward_pre_hooks
-        and (module.bias is None or set(owners[id(module.bias)]) <= set(names))
-        and _selected(names, include, exclude)
+    """Whether ``module`` (reachable under ``names``), a holder of ``embedding``'s weight, is one
+    ``sparsify`` converts with it (see :func:`_ties`)."""
+    if module.weight is not embedding.weight or module._forward_pre_hooks or not _selected(names, include, exclude):
+        return False
+    if type(module) is nn.Linear:  # an output layer: its bias its own
+        return module.bias is None or set(owners[id(module.bias)]) <= set(names)
+    return type(module) is nn.Embedding and module.padding_idx == embedding.padding_idx and not (
+        unsupported_options(module)
     )
 
 
@@ -189,7 +201,7 @@ def _choose_layers(
     """The layers and attentions to convert, and the selected ones left dense."""
     chosen, left_dense = _Chosen({}, {}, {}), _LeftDense([], [], [], [], [])
     owners = _parameter_owners(modules)
-    heads = _tied_heads(modules, owners, include, exclude) if embeddings else {}
+    ties = _ties(modules, owners, include, exclude) if embeddings else {}
     attention_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
     for child, names in modules.values():
         if any(_inside(name, attention_names) for name in names):
@@ -199,8 +211,8 @@ def _choose_layers(
         if not _selected(names, include, exclude):
             continue
         shown = names[0] or "(root)"
-        if id(child) in heads:
-            chosen.heads[names[0]] = (child, names, heads[id(child)])
+        if id(child) in ties:
+            chosen.ties[names[0]] = (child, names, ties[id(child)])
             continue
         if type(child) is nn.MultiheadAttention:
             parameters = list(child.parameters())
@@ -216,9 +228,9 @@ def _choose_layers(
             if isinstance(child, nn.modules.conv._ConvNd):
                 left_dense.other_convolutions.append(f"{shown} ({type(child).__name__})")
             continue
-        its_heads = [name for head, embedding in heads.items() if embedding is child for name in modules[head][1]]
+        tied = [name for i, tie in ties.items() if tie.embedding is child for name in modules[i][1]]
         held_elsewhere = {
-            other for p in parameters for other in owners[id(p)] if not _inside(other, names) and other not in its_heads
+            other for p in parameters for other in owners[id(p)] if not _inside(other, names) and other not in tied
         }
         if child._forward_pre_hooks:
             left_dense.hooked.append(shown)
@@ -276,8 +288,8 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
         warnings.warn(
             f"sparsify left {len(tied)} layer(s) dense whose parameters are tied to another module's: "
             f"{', '.join(tied)}. A sparse copy would untie them; exclude the layers to silence this warning "
-            "(an nn.Linear output layer tied to an nn.Embedding, GPT-2's lm_head and wte, is converted with it into a "
-            "SparseTiedHead with embeddings=True, if both are selected).",
+            "(with embeddings=True, an nn.Embedding whose other holders are nn.Linear output layers, GPT-2's lm_head, "
+            "or nn.Embedding layers of its padding_idx is converted with them, if all are selected).",
             stacklevel=3,
         )
 
@@ -317,8 +329,9 @@ def sparsify(
             ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning;
             ``padding_idx`` carries over. An ``nn.Linear`` output layer that shares its weight
             (GPT-2's ``lm_head``, tied to ``wte``) becomes a :class:`SparseTiedHead` of the sparse
-            embedding (its bias kept), if selected too: the pair stays tied, one table of
-            connections, counted once by ``distribution``.
+            embedding (its bias kept), and another ``nn.Embedding`` that shares it (T5's encoder and
+            decoder tables) the same :class:`SparseEmbedding`, if all are selected: they stay tied,
+            one table of connections, counted once by ``distribution``.
 
     Returns:
         ``module`` itself, or a new :class:`SparseLinear` when ``module`` is itself a layer.
@@ -377,9 +390,9 @@ def sparsify(
         else:
             attention = SparseMultiheadAttention._random_like(child, sparsities)
         converted.update(dict.fromkeys(names, attention))
-    for name, (child, names, embedding) in chosen.heads.items():
-        head = _sparse_head(child, converted[modules[id(embedding)][1][0]])
-        converted.update(dict.fromkeys(names, head))
+    for child, names, tie in chosen.ties.values():
+        embedding = converted[modules[id(tie.embedding)][1][0]]
+        converted.update(dict.fromkeys(names, _sparse_head(child, embedding) if tie.head else embedding))
     _turn_off_nested_tensor_fast_paths(modules, converted)
     return _install(module, converted)
 
