@@ -402,6 +402,12 @@ def test_a_tie_sparsify_cannot_keep_stays_dense_with_a_warning():
         assert any("tied to another module's" in str(w.message) for w in caught)
         assert type(model.embedding) is nn.Embedding and model.head.weight is model.embedding.weight
     model = _TiedLM()
+    model.scorer = nn.Module()
+    model.scorer.table = model.embedding.weight  # a holder under another name
+    with pytest.warns(UserWarning, match="tied to another module's: embedding \\(with head, scorer\\)"):
+        snack.sparsify(model, 0.5, embeddings=True)
+    assert type(model.embedding) is nn.Embedding and type(model.head) is nn.Linear
+    model = _TiedLM()
     other = nn.Linear(12, 40)
     other.weight = model.embedding.weight  # a second holder that is selected out
     model.extra = other

@@ -185,7 +185,9 @@ def _shares_table(
 ) -> bool:
     """Whether ``module`` (reachable under ``names``), a holder of ``embedding``'s weight, is one
     ``sparsify`` converts with it (see :func:`_ties`)."""
-    if module.weight is not embedding.weight or module._forward_pre_hooks or not _selected(names, include, exclude):
+    if getattr(module, "weight", None) is not embedding.weight or module._forward_pre_hooks or not _selected(
+        names, include, exclude
+    ):  # (a module holding the table under another name is nothing sparsify converts)
         return False
     if type(module) is nn.Linear:  # an output layer: its bias its own
         return module.bias is None or set(owners[id(module.bias)]) <= set(names)
