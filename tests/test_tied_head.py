@@ -319,6 +319,16 @@ def test_recorded_head_batch_holds_each_attend_call():
     assert recorded_ids.shape == (0,) and dy.shape == (0, 12) and torch.equal(recorded_hidden, hidden)
 
 
+def test_layers_may_name_the_table_through_its_head():
+    model = snack.sparsify(_TiedLM(dtype=torch.float32), 0.8, embeddings=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for layers in ("head", "head.embedding", model.head, ["head", "mid"]):
+        dst = snack.dst.RigL(model, optimizer, update_every=1, total_steps=10, layers=layers)
+        assert [layer for _, layer in dst.layers][0] is model.embedding and dst.layers[0][0] == "embedding"
+    with pytest.raises(ValueError, match="a layer is listed twice"):
+        snack.dst.RigL(model, optimizer, update_every=1, total_steps=10, layers=["embedding", "head"])
+
+
 def test_set_and_mest_rewire_a_tied_table_and_training_goes_on():
     for algorithm in (snack.dst.SET, snack.dst.MEST):
         model = snack.sparsify(_TiedLM(dtype=torch.float32), 0.8, embeddings=True)

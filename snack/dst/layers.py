@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from snack.nn import SparseLinear
+from snack.nn import SparseLinear, SparseTiedHead
 
 __all__ = ["find_layers", "listed"]
 
@@ -25,10 +25,19 @@ def listed(layers):
 def find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
     """``[(qualified name, layer)]``: the SparseLinear layers of ``model`` that ``layers`` names
     (``None``: all; names, glob patterns or modules, in the order given; a set in the model's
-    order), each once. Raises ``TypeError``/``ValueError`` naming what does not fit."""
+    order), each once, under the first name the model lists it by. A name may be any a layer is
+    reachable under (a shared layer's second one too), and a :class:`snack.SparseTiedHead` (its
+    name or itself) stands for its embedding, whose table is the head's weight. Raises
+    ``TypeError``/``ValueError`` naming what does not fit."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     named = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+    by_id = {id(m): name for name, m in named.items()}
+    aliases = {}  # every name a layer (or a tied head, for its embedding) is reachable under -> its first name
+    for name, m in model.named_modules(remove_duplicate=False):
+        m = m.embedding if isinstance(m, SparseTiedHead) else m
+        if id(m) in by_id:
+            aliases[name] = by_id[id(m)]
     if layers is None:
         found = list(named.items())
     else:
@@ -43,10 +52,11 @@ def find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
         layers = list(layers)
         if not layers:
             raise ValueError("layers is empty: name at least one SparseLinear (or pass None for all of them)")
-        by_id = {id(m): name for name, m in named.items()}
         found = []
         for item in layers:
-            if isinstance(item, str) and item not in named and any(c in item for c in "*?["):
+            if isinstance(item, SparseTiedHead):
+                item = item.embedding
+            if isinstance(item, str) and item not in aliases and any(c in item for c in "*?["):
                 # a glob pattern, as sparsify's include/exclude take: its matches in model order;
                 # layers another item listed already are not listed twice
                 matches = [name for name in named if fnmatch.fnmatchcase(name, item)]
@@ -56,9 +66,9 @@ def find_layers(model: nn.Module, layers) -> list[tuple[str, SparseLinear]]:
                     )
                 found.extend((name, named[name]) for name in matches if all(name != seen for seen, _ in found))
             elif isinstance(item, str):
-                if item not in named:
+                if item not in aliases:
                     raise ValueError(f"layers: {item!r} is not a SparseLinear of the model (have {sorted(named)})")
-                found.append((item, named[item]))
+                found.append((aliases[item], named[aliases[item]]))
             elif isinstance(item, SparseLinear) and id(item) in by_id:
                 found.append((by_id[id(item)], item))
             else:
