@@ -71,6 +71,15 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def medians_and_memory(variants: dict, device: torch.device, samples: int) -> tuple[dict, dict]:
+    """``({name: ms}, {name: MiB})`` of ``variants`` ``{name: (step, module, optimizer)}``: each
+    step's median over ``samples`` interleaved runs, and its module's and optimizer's state."""
+    seconds = interleaved_medians({name: run for name, (run, _, _) in variants.items()}, device, samples)
+    ms = {name: value * 1e3 for name, value in seconds.items()}
+    mib = {name: state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
+    return ms, mib
+
+
 def _variants(sparsity: float, ids: torch.Tensor) -> dict:
     sparse = snack.SparseEmbedding(VOCABULARY, WIDTH, sparsity=sparsity)
     dense, dense_sparse_grad = nn.Embedding(VOCABULARY, WIDTH), nn.Embedding(VOCABULARY, WIDTH, sparse=True)
@@ -103,9 +112,7 @@ def main() -> None:
         for sparsity in SPARSITIES:
             ids = torch.randint(0, VOCABULARY, (sequences, length))
             variants = _variants(sparsity, ids)
-            seconds = interleaved_medians({name: run for name, (run, _, _) in variants.items()}, device, SAMPLES)
-            ms = {name: value * 1e3 for name, value in seconds.items()}
-            mib = {name: state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
+            ms, mib = medians_and_memory(variants, device, SAMPLES)
             lines(
                 f"| {sequences}×{length} | {sparsity} | " + " | ".join(f"{ms[n]:.1f}" for n in names)
                 + f" | {ms['dense'] / ms['snack']:.1f}× | {ms['dense, sparse grad'] / ms['snack']:.1f}× | "

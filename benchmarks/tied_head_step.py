@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from embedding_step import state_bytes  # (this script's folder)
+from embedding_step import medians_and_memory  # (this script's folder)
 from torch import nn
 
 import snack
 from snack.bench.report import ResultLines, out_argument
-from snack.bench.timing import interleaved_medians
 
 VOCABULARY, WIDTH = 50_257, 768
 TOKENS = [128, 512]  # one sequence of this length
@@ -117,9 +116,7 @@ def main() -> None:
     for tokens in TOKENS:
         for sparsity in SPARSITIES:
             variants = _variants(sparsity, tokens)
-            seconds = interleaved_medians({name: run for name, (run, _, _) in variants.items()}, device, SAMPLES)
-            ms = {name: value * 1e3 for name, value in seconds.items()}
-            mib = {name: state_bytes(module, optimizer) / 2**20 for name, (_, module, optimizer) in variants.items()}
+            ms, mib = medians_and_memory(variants, device, SAMPLES)
             lines(
                 f"| {tokens} | {sparsity} | " + " | ".join(f"{ms[n]:.1f}" for n in names)
                 + f" | {ms['dense'] / ms['snack']:.1f}× | {ms['Dense+Mask'] / ms['snack']:.1f}× | "
