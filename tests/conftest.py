@@ -31,6 +31,15 @@ def make_layer(
     return snack.SparseLinear.from_dense(weight * keep, bias=b)
 
 
+def tiny_gpt2():
+    """``transformers``' GPT-2 at a test's size (one block, width 32, 50 tokens, 16 positions; its
+    ``lm_head`` tied to ``wte``), randomly initialised; the test is skipped without ``transformers``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
 def dense_forward_and_grads(layer: snack.SparseLinear, x: torch.Tensor, grad_out: torch.Tensor):
     """``(y, dx, dvalues, dbias)`` computed with dense math on ``layer.to_dense()``."""
     weight = layer.to_dense().detach().requires_grad_()

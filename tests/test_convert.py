@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_gpt2
 from torch import nn
 
 import snack
@@ -94,10 +95,7 @@ def test_densify_round_trip():
 
 
 def test_sparsify_gpt2_conv1d():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2().eval()
     tokens = torch.randint(0, 50, (2, 8))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -205,10 +203,7 @@ def test_sparsify_leaves_layers_with_tied_parameters_dense():
 
 
 def test_sparsify_leaves_gpt2s_tied_head_dense():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     with pytest.warns(UserWarning, match=r"lm_head \(with transformer.wte\)"):
         snack.sparsify(model, 0.5)
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.transformer.wte.weight

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_topology_invariants
+from conftest import check_topology_invariants, tiny_gpt2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_truly_sparse import LargestTensorMode
@@ -331,10 +331,7 @@ def test_sparsify_leaves_max_norm_embeddings_and_ties_it_cannot_keep_dense_with_
 
 
 def test_sparsify_converts_gpt2s_position_embedding_and_leaves_the_token_embedding_of_an_excluded_head_dense():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2().eval()
     tokens = torch.randint(0, 50, (2, 8))
     with torch.no_grad():
         expected = model(tokens).logits

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_gpt2
 from test_truly_sparse import LargestTensorMode
 from torch import nn
 
@@ -485,10 +486,7 @@ def test_t5_with_its_shared_table_sparsified_gives_the_same_logits():
 
 
 def test_gpt2_with_its_tied_head_sparsified_gives_the_same_logits_and_trains_with_rigl():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2().eval()
     tokens = torch.randint(0, 50, (2, 8))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -499,7 +497,7 @@ def test_gpt2_with_its_tied_head_sparsified_gives_the_same_logits_and_trains_wit
     assert isinstance(wte, snack.SparseEmbedding) and model.lm_head.embedding is wte
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, expected, rtol=1e-5, atol=1e-5)
-    model = snack.sparsify(transformers.GPT2LMHeadModel(config), 0.8, embeddings=True).train()
+    model = snack.sparsify(tiny_gpt2(), 0.8, embeddings=True).train()
     optimizer = torch.optim.Adam(model.parameters())
     dst = snack.dst.RigL(model, optimizer, update_every=1, total_steps=10)
     before = model.transformer.wte.indices().clone()
@@ -512,9 +510,7 @@ def test_gpt2_trained_sparse_goes_back_to_transformers_own_layout(tmp_path):
     """sparsify, a RigL step, densify: GPT-2's Conv1D layers and tied head come back as they were
     built, so save_pretrained writes and from_pretrained reads the same model."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
-    model = snack.sparsify(transformers.GPT2LMHeadModel(config), 0.8, embeddings=True)
+    model = snack.sparsify(tiny_gpt2(), 0.8, embeddings=True)
     optimizer = torch.optim.Adam(model.parameters())
     dst = snack.dst.RigL(model, optimizer, update_every=1, total_steps=10)
     tokens = torch.randint(0, 50, (2, 8))
