@@ -27,6 +27,16 @@ def _export(model: nn.Module, example: torch.Tensor):
     return program.model_proto
 
 
+def _export_ids(model: nn.Module, example: torch.Tensor):
+    """The ONNX model of ``model`` (eval mode) taking token ids ``(batch, length)``, both dynamic."""
+    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=1024)}
+    program = torch.onnx.export(
+        model.eval(), (example,), dynamo=True, custom_translation_table=snack.onnx_translations(),
+        dynamic_shapes=(dims,), verbose=False,
+    )
+    return program.model_proto
+
+
 def _run(proto, x: torch.Tensor) -> np.ndarray:
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
@@ -97,12 +107,8 @@ def test_a_sparse_embedding_exports_with_its_connections_at_any_batch_and_length
     table = torch.randn(50, 12) * (torch.rand(50, 12) < 0.3)
     table[0] = 0
     model = nn.Sequential(snack.SparseEmbedding.from_dense(table), snack.SparseLinear(12, 4, sparsity=0.5)).eval()
-    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=1024)}
     example = torch.randint(0, 50, (2, 7))
-    proto = torch.onnx.export(
-        model, (example,), dynamo=True, custom_translation_table=snack.onnx_translations(), dynamic_shapes=(dims,),
-        verbose=False,
-    ).model_proto
+    proto = _export_ids(model, example)
     for ids in (example, torch.tensor([[0, 0, 49, 3, 3]]), torch.randint(0, 50, (3, 11))):
         with torch.no_grad():
             np.testing.assert_allclose(_run(proto, ids), model(ids).numpy(), rtol=1e-6, atol=1e-6)
@@ -116,12 +122,8 @@ def test_a_tied_embedding_and_head_export_with_one_table_of_connections():
     model = nn.Sequential(embedding, nn.Tanh(), snack.SparseTiedHead(embedding, bias=True)).eval()
     with torch.no_grad():
         model[2].bias.uniform_()
-    dims = {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("length", max=1024)}
     example = torch.randint(0, 50, (2, 7))
-    proto = torch.onnx.export(
-        model, (example,), dynamo=True, custom_translation_table=snack.onnx_translations(), dynamic_shapes=(dims,),
-        verbose=False,
-    ).model_proto
+    proto = _export_ids(model, example)
     for ids in (example, torch.randint(0, 50, (1, 3))):
         with torch.no_grad():
             np.testing.assert_allclose(_run(proto, ids), model(ids).numpy(), rtol=1e-5, atol=1e-5)
