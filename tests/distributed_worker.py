@@ -124,9 +124,14 @@ def set_random(net: nn.Module, optimizer):
     return snack.dst.SET(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
 
 
-# under FSDP: (the algorithm, which keeps nnz (None: a fixed topology), and the optimizer, whose
-# per-element state FSDP shards too: SGD's momentum, Adam's moments beside its scalar step)
-FSDP_RUNS = {"static": (None, "sgd"), "set": (set_random, "sgd"), "rigl": (rigl, "sgd"), "rigl_adam": (rigl, "adam")}
+# under FSDP: (the algorithm, which keeps nnz (None: a fixed topology), the optimizer, whose
+# per-element state FSDP shards too: SGD's momentum, Adam's moments beside its scalar step, and
+# whether the model starts with the token embedding, whose tied head calls attend: a method FSDP
+# must gather the table around, as it does around forward)
+FSDP_RUNS = {
+    "static": (None, "sgd", False), "set": (set_random, "sgd", False), "rigl": (rigl, "sgd", False),
+    "rigl_adam": (rigl, "adam", False), "rigl_tied_embedding": (rigl, "sgd", True),
+}
 
 
 def fsdp_optimizer(net: nn.Module, kind: str = "sgd") -> torch.optim.Optimizer:
@@ -147,8 +152,8 @@ def shard(net: nn.Module) -> nn.Module:
 def train_under_fsdp(rank: int, run: str) -> dict:
     """``FSDP_RUNS[run]`` on a sharded model, each rank on its slice of the global batches: the
     full state gathered at the end, and the DST object's RNG state."""
-    make, kind = FSDP_RUNS[run]
-    net = shard(model())
+    make, kind, embedding = FSDP_RUNS[run]
+    net = shard(model(embedding=embedding))
     optimizer = fsdp_optimizer(net, kind)
     dst = make(net, optimizer) if make is not None else None
     for step in range(STEPS):

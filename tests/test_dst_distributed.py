@@ -79,8 +79,8 @@ def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, run):
     gathers a layer's whole values and state, rewires them as one process would, and each rank
     keeps its shard: the gathered result is one process's training on the whole batch (RigL
     growing from every rank's records)."""
-    make, kind = worker.FSDP_RUNS[run]
-    net = worker.model()
+    make, kind, embedding = worker.FSDP_RUNS[run]
+    net = worker.model(embedding=embedding)
     optimizer = worker.fsdp_optimizer(net, kind)
     dst = make(net, optimizer) if make is not None else None
     for step in range(worker.STEPS):
@@ -100,7 +100,7 @@ def test_under_fsdp_the_ranks_train_and_rewire_as_one_process_does(ranks, run):
         if dst is not None:
             assert torch.equal(rank[f"{run}_under_fsdp"]["generator"], dst.generator.get_state())
     if dst is not None:  # the updates changed the topology
-        initial = worker.layers_state(worker.model(embedding=True))
+        initial = worker.layers_state(worker.model(embedding=embedding))
         assert any(not torch.equal(now["col"], then["col"]) for now, then in zip(worker.layers_state(net), initial))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections import OrderedDict
 
 import torch
@@ -222,9 +223,18 @@ class SparseEmbedding(SparseLinear):
         under ``torch.autocast`` both are cast). The padding row (``padding_idx``), which has no
         connections, gives logit 0. Dynamic sparse training scores growth from both uses: RigL
         records each call's ``hidden`` and logits' gradient as well as the lookups' ids and output
-        gradients (:meth:`snack.dst.DynamicSparsity.recorded_head_batch`)."""
+        gradients (:meth:`snack.dst.DynamicSparsity.recorded_head_batch`). Under FSDP
+        (``fully_shard``), which gathers a module's parameters around ``forward`` only, the first
+        call registers ``attend`` with it as a forward method."""
         if tracing.fx_symbolic_tracing():
             return self._fx_attend(hidden)
+        if _sharded_by_fsdp(self) and "attend" not in self.__dict__:
+            # FSDP (fully_shard) gathers a module's parameters around its forward only: make attend
+            # a forward method to it (an attribute of this instance, which this call then runs)
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(self, "attend")
+            return self.attend(hidden)
         if not isinstance(hidden, Tensor):
             raise TypeError(f"SparseEmbedding.attend expects a Tensor, got {type(hidden).__name__}")
         if hidden.dim() == 0 or self._width_differs(hidden):
@@ -312,6 +322,12 @@ class SparseEmbedding(SparseLinear):
             f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}{padding}, nnz={self.nnz}, "
             f"sparsity={self.sparsity:.4f}"
         )
+
+
+def _sharded_by_fsdp(module: nn.Module) -> bool:
+    """Whether FSDP's ``fully_shard`` made ``module`` an ``FSDPModule`` (never importing FSDP)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def unsupported_options(embedding: nn.Embedding) -> str:
