@@ -11,7 +11,7 @@ from snack.averaging import AveragedModel, align_topology
 from snack.backends import available_backends, use_backend
 from snack.nn import (
     SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
-    SparseEmbedding, SparseLinear, SparseMultiheadAttention, SparseTiedHead, densify, sparsify,
+    SparseEmbedding, SparseEmbeddingBag, SparseLinear, SparseMultiheadAttention, SparseTiedHead, densify, sparsify,
 )
 from snack.topology import Topology
 
@@ -37,6 +37,7 @@ __all__ = [
     "SparseConvTranspose2d",
     "SparseConvTranspose3d",
     "SparseEmbedding",
+    "SparseEmbeddingBag",
     "SparseLinear",
     "SparseMultiheadAttention",
     "SparseTiedHead",

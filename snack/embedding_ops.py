@@ -7,6 +7,8 @@ snack layer: token ``t``'s embedding is row ``t``, its connections ``rowptr[t] .
 |---|---|
 | ``embedding_lookup`` | ``Y[n, col[p]] = values[p]`` for each connection ``p`` of row ``indices[n]``, else 0 |
 | ``embedding_values_grad`` | ``dvalues[p] = Σ_{n: indices[n] = row[p]} dY[n, col[p]]`` |
+| ``embedding_bag`` | ``Y[b] = Σ_{n: bag[n] = b} weights[n] · E[indices[n]]`` (a sum or mean of a bag) |
+| ``embedding_bag_values_grad`` | ``dvalues[p] = Σ_{n: indices[n] = row[p]} weights[n] · dY[bag[n], col[p]]`` |
 
 Both touch only the connections of the tokens looked up (``N · embedding_dim · density`` of
 them): never the ``(num_embeddings, embedding_dim)`` table nor a gradient of its size, which
@@ -24,7 +26,10 @@ from torch import Tensor
 
 from snack.indexing import native_for
 
-__all__ = ["embedding_lookup", "embedding_lookup_for_transforms", "embedding_values_grad", "without_padding_gradient"]
+__all__ = [
+    "embedding_bag", "embedding_bag_values_grad", "embedding_lookup", "embedding_lookup_for_transforms",
+    "embedding_values_grad", "without_padding_gradient",
+]
 
 
 def _connections_of(indices: Tensor, rowptr: Tensor) -> tuple[Tensor, Tensor]:
@@ -95,6 +100,65 @@ def _backward(ctx, grad: Tensor):
 
 
 embedding_lookup.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("snack::embedding_bag", mutates_args=())
+def embedding_bag(
+    values: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, indices: Tensor, bag: Tensor, weights: Tensor,
+    bags: int, embedding_dim: int,
+) -> Tensor:
+    """``(bags, embedding_dim)``: each bag's sum of its ids' table rows, each times its weight:
+    ``Y[b] = Σ_{n: bag[n] = b} weights[n] · E[indices[n]]``, ``indices (N,)`` int64 in range,
+    ``bag (N,)`` int64 non-decreasing in ``[0, bags)`` (each bag's ids consecutive), ``weights
+    (N,)`` in ``values``' dtype (a mean's ``1 / size``, 0 for a padding id). The native kernel sums
+    a bag as it reads its ids' connections; elsewhere the rows are looked up, then added."""
+    if native_for(values, rowptr, col, indices, bag, weights):
+        return torch.ops.snack_cpu.embedding_bag(values, rowptr, col, indices, bag, weights, bags, embedding_dim)
+    rows = embedding_lookup(values, row, col, rowptr, indices, embedding_dim)
+    return rows.new_zeros(bags, embedding_dim).index_add_(0, bag, rows * weights.unsqueeze(-1))
+
+
+@embedding_bag.register_fake
+def _(values, row, col, rowptr, indices, bag, weights, bags, embedding_dim):
+    return values.new_empty(bags, embedding_dim)
+
+
+@torch.library.custom_op("snack::embedding_bag_values_grad", mutates_args=())
+def embedding_bag_values_grad(
+    grad: Tensor, row: Tensor, col: Tensor, rowptr: Tensor, indices: Tensor, bag: Tensor, weights: Tensor
+) -> Tensor:
+    """``(nnz,)``: the gradient with respect to ``values`` of :func:`embedding_bag` given its output
+    gradient ``grad (bags, embedding_dim)``."""
+    if native_for(grad, rowptr, col, indices, bag, weights):
+        return torch.ops.snack_cpu.embedding_bag_values_grad(grad, rowptr, col, indices, bag, weights)
+    return embedding_values_grad(grad.index_select(0, bag) * weights.unsqueeze(-1), row, col, rowptr, indices)
+
+
+@embedding_bag_values_grad.register_fake
+def _(grad, row, col, rowptr, indices, bag, weights):
+    return grad.new_empty(col.shape[0])
+
+
+def _bag_setup_context(ctx, inputs, output) -> None:
+    values, row, col, rowptr, indices, bag, weights, _, embedding_dim = inputs
+    ctx.embedding_dim = embedding_dim
+    # values only for the weights' gradient (a backward without it needs none, as the lookup's)
+    ctx.save_for_backward(row, col, rowptr, indices, bag, weights, values if weights.requires_grad else None)
+
+
+def _bag_backward(ctx, grad: Tensor):
+    row, col, rowptr, indices, bag, weights, values = ctx.saved_tensors
+    grad = grad.contiguous()
+    dvalues = dweights = None
+    if ctx.needs_input_grad[0]:
+        dvalues = embedding_bag_values_grad(grad, row, col, rowptr, indices, bag, weights)
+    if ctx.needs_input_grad[6]:  # dweights[n] = E[indices[n]] · dY[bag[n]]
+        rows = embedding_lookup(values, row, col, rowptr, indices, ctx.embedding_dim)
+        dweights = (rows * grad.index_select(0, bag)).sum(-1)
+    return dvalues, None, None, None, None, None, dweights, None, None
+
+
+embedding_bag.register_autograd(_bag_backward, setup_context=_bag_setup_context)
 
 
 def embedding_lookup_for_transforms(

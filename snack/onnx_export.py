@@ -20,6 +20,9 @@ never a dense weight, and an ONNX runtime computes with its connections only:
   keys, also folded at load) are its rows.
 - ``embedding_lookup`` (a :class:`snack.SparseEmbedding`) from the same padded rows of its table:
   each id's row of columns and values gathered, then scattered into a zero row.
+- ``embedding_bag`` (a :class:`snack.SparseEmbeddingBag`'s sum or mean) as those rows, each
+  times its weight, added into its bag's row (``ScatterElements`` with ``reduction="add"``; a
+  bag layer's ``max`` exports as torch ops on the looked-up rows).
 - ``topology_index_data`` as placeholders of its outputs' sizes: the translations above derive
   what they need from ``row``/``col``, and the exporter drops the unused placeholders.
 
@@ -50,6 +53,7 @@ def translations() -> dict:
         torch.ops.snack.spmm.default: _spmm,
         torch.ops.snack.spmm_t.default: _spmm_t,
         torch.ops.snack.embedding_lookup.default: _embedding_lookup,
+        torch.ops.snack.embedding_bag.default: _embedding_bag,
     }
 
 
@@ -89,6 +93,15 @@ def _embedding_lookup(values, row, col, rowptr, indices, embedding_dim: int):
         axis=1,
     )
     return op.Slice(wider, _ints(0), _ints(embedding_dim), _ints(1))
+
+
+def _embedding_bag(values, row, col, rowptr, indices, bag, weights, bags, embedding_dim: int):
+    """``(bags, embedding_dim)``: the rows of ``indices (N,)`` (:func:`_embedding_lookup`), each
+    times its weight, added into its bag's row."""
+    rows = op.Mul(_embedding_lookup(values, row, col, rowptr, indices, embedding_dim), op.Unsqueeze(weights, _ints(1)))
+    shape = op.Concat(op.Reshape(bags, _ints(1)), _ints(embedding_dim), axis=0)
+    where = op.Expand(op.Unsqueeze(bag, _ints(1)), op.Shape(rows))
+    return op.ScatterElements(_zeros_like(values, shape), where, rows, axis=0, reduction="add")
 
 
 def _static_length(pointer) -> int:

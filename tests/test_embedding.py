@@ -318,7 +318,7 @@ def test_sparsify_random_init_and_erk_weigh_the_table_by_its_shape():
 
 def test_sparsify_leaves_max_norm_embeddings_and_ties_it_cannot_keep_dense_with_a_warning():
     renormed = nn.Sequential(nn.Embedding(50, 16, max_norm=1.0), nn.Linear(16, 50))
-    with pytest.warns(UserWarning, match="nn.Embedding layer\\(s\\) dense: 0 \\(max_norm=1.0\\)"):
+    with pytest.warns(UserWarning, match="nn.EmbeddingBag layer\\(s\\) dense: 0 \\(max_norm=1.0\\)"):
         snack.sparsify(renormed, embeddings=True)
     assert type(renormed[0]) is nn.Embedding
     tied = _language_model()

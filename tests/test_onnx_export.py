@@ -116,6 +116,41 @@ def test_a_sparse_embedding_exports_with_its_connections_at_any_batch_and_length
     assert max(sizes) < 50 * 12 and model[0].nnz in sizes
 
 
+class _Bags(nn.Module):
+    """A bag layer on 1-D ids with offsets (both inputs of the program)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.bag = snack.SparseEmbeddingBag(50, 12, mode=mode, padding_idx=0, sparsity=0.7)
+
+    def forward(self, ids, offsets):
+        return self.bag(ids, offsets)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_a_sparse_embedding_bag_exports_with_its_connections_at_any_number_of_ids_and_bags(mode):
+    """Bags of ids with offsets, both dynamic: empty bags, padding ids, one bag; the fused sum
+    (sum, mean) and the rows reduced (max). The file holds the connections, not the table."""
+    torch.manual_seed(0)
+    model = _Bags(mode).eval()
+    dims = ({0: torch.export.Dim("ids", max=4096)}, {0: torch.export.Dim("bags", max=1024)})
+    example = (torch.randint(0, 50, (9,)), torch.tensor([0, 3, 3, 6]))
+    proto = torch.onnx.export(
+        model, example, dynamo=True, custom_translation_table=snack.onnx_translations(), dynamic_shapes=dims,
+        verbose=False,
+    ).model_proto
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    for ids, offsets in (example, (torch.tensor([0, 5, 5, 49, 0, 2, 7]), torch.tensor([0, 0, 4, 7])),
+                         (torch.tensor([3]), torch.tensor([0]))):
+        with torch.no_grad():
+            expected = model(ids, offsets).numpy()
+        got = session.run(None, {names[0]: ids.numpy(), names[1]: offsets.numpy()})[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    sizes = [int(np.prod(t.dims)) for t in proto.graph.initializer]
+    assert max(sizes) < 50 * 12 and model.bag.nnz in sizes
+
+
 def test_a_tied_embedding_and_head_export_with_one_table_of_connections():
     torch.manual_seed(0)
     embedding = snack.SparseEmbedding(50, 12, sparsity=0.7)

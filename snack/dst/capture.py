@@ -17,6 +17,9 @@ it is at the update, not as the forward saw it. Layers whose ``values`` do not r
 A :class:`snack.SparseEmbedding` records its lookups (ids and output gradients) and, apart, its
 uses as an output layer (:meth:`~snack.SparseEmbedding.attend`, a tied head: the hidden rows
 ``(N, embedding_dim)`` and the logits' gradient ``(N, num_embeddings)``), whose gradients add up.
+A :class:`snack.SparseEmbeddingBag` records its lookups before the bags are reduced (the ids and
+the gradient of their rows, not of the bags): it registers the hook there
+(``_register_recording_hook``), and runs the rows' lookup instead of its fused sum on those steps.
 
 Memory: the records hold ``X`` and ``dY`` of every call until the update, ``N · (in + out)``
 elements for ``N`` recorded rows, whatever the sparsity (the update itself then works in blocks,
@@ -65,8 +68,7 @@ class GradientCapture:
 
     def _register(self) -> None:
         self._handles[:] = [
-            # first: the layer's own output, before any user hook rescales it or changes it in place
-            layer.register_forward_hook(_outside_graphs(_RecordingHook(self, i)), with_kwargs=True, prepend=True)
+            layer._register_recording_hook(_outside_graphs(_RecordingHook(self, i)))
             for i, layer in enumerate(self.layers)
         ] + [
             layer._register_attend_hook(_outside_graphs(_RecordingHook(self, i, head=True)))

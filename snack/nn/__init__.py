@@ -5,17 +5,17 @@
 for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``,
 :class:`SparseMultiheadAttention` for ``nn.MultiheadAttention`` (its projections sparse),
 :class:`SparseEmbedding` for ``nn.Embedding`` (:class:`SparseTiedHead` for an output layer tied to
-it), and
+it), :class:`SparseEmbeddingBag` for ``nn.EmbeddingBag``, and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
 ``layer`` holds the linear layer, ``attention`` the attention, ``conv`` the convolution
 (``conv_base`` what it shares with ``conv_transpose``, the transposed one; ``conv_rows`` its im2col
 training node, ``conv1d`` and ``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and
 ``conv_transpose3d`` the 3-D ones, ``plane`` how those compute with the 2-D kernels), ``embedding``
-the embedding, ``tied_head`` the output layer that shares its table, ``convert``
-the model conversion, ``tracing`` what programs made by ``torch.fx``, ``torch.jit.trace`` and
-``torch.export`` call for a layer, ``locking`` the lock that keeps rewires atomic for forwards in
-other threads.
+the embedding, ``embedding_bag`` the bag layer (``bags`` its reductions), ``tied_head`` the output
+layer that shares its table, ``convert`` the model conversion, ``tracing`` what programs made by
+``torch.fx``, ``torch.jit.trace`` and ``torch.export`` call for a layer, ``locking`` the lock that
+keeps rewires atomic for forwards in other threads.
 """
 
 from snack.nn import tracing
@@ -28,13 +28,14 @@ from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.convert import densify, sparsify
 from snack.nn.embedding import SparseEmbedding
+from snack.nn.embedding_bag import SparseEmbeddingBag
 from snack.nn.layer import SparseLinear
 from snack.nn.tied_head import SparseTiedHead
 
 __all__ = [
     "SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConvTranspose1d", "SparseConvTranspose2d",
-    "SparseConvTranspose3d", "SparseEmbedding", "SparseLinear", "SparseMultiheadAttention", "SparseTiedHead", "densify",
-    "sparsify",
+    "SparseConvTranspose3d", "SparseEmbedding", "SparseEmbeddingBag", "SparseLinear", "SparseMultiheadAttention",
+    "SparseTiedHead", "densify", "sparsify",
 ]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
@@ -48,6 +49,7 @@ SparseConvTranspose1d.__module__ = __name__
 SparseConvTranspose3d.__module__ = __name__
 SparseMultiheadAttention.__module__ = __name__
 SparseEmbedding.__module__ = __name__
+SparseEmbeddingBag.__module__ = __name__
 SparseTiedHead.__module__ = __name__
 
 # Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls

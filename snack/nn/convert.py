@@ -22,6 +22,7 @@ from snack.nn.conv_transpose import SparseConvTranspose2d
 from snack.nn.conv_transpose1d import SparseConvTranspose1d
 from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.embedding import SparseEmbedding, unsupported_options
+from snack.nn.embedding_bag import SparseEmbeddingBag
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
 from snack.nn.tied_head import SparseTiedHead
 from snack.topology import linear_positions
@@ -45,12 +46,12 @@ def _conv1d_class():
 
 def _dense_weight_and_bias(module: nn.Module, embeddings: bool) -> tuple[Tensor, Tensor | None] | None:
     """``(weight (out, in), a convolution's (out, in, kh, kw) or (out, in, k), bias)`` of a layer
-    ``sparsify`` converts (with ``embeddings``, an ``nn.Embedding``'s ``(num_embeddings,
-    embedding_dim)`` table and no bias), else ``None``."""
+    ``sparsify`` converts (with ``embeddings``, an ``nn.Embedding``'s or ``nn.EmbeddingBag``'s
+    ``(num_embeddings, embedding_dim)`` table and no bias), else ``None``."""
     # not subclasses: see sparsify
     if type(module) is nn.Linear or type(module) in SPARSE_CONVOLUTIONS:
         return module.weight, module.bias
-    if embeddings and type(module) is nn.Embedding:
+    if embeddings and type(module) in (nn.Embedding, nn.EmbeddingBag):
         return module.weight, None
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
@@ -218,7 +219,7 @@ def _choose_layers(
             continue
         if type(child) is nn.MultiheadAttention:
             parameters = list(child.parameters())
-        elif isinstance(child, nn.Embedding) and embeddings and unsupported_options(child):
+        elif isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and embeddings and unsupported_options(child):
             left_dense.embedding_options.append(f"{shown} ({unsupported_options(child)})")
             continue
         elif (wb := _dense_weight_and_bias(child, embeddings)) is not None:
@@ -259,8 +260,9 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     subclassed, other_convolutions, embedding_options, hooked, tied = left_dense
     if embedding_options:
         warnings.warn(
-            f"sparsify left {len(embedding_options)} nn.Embedding layer(s) dense: {', '.join(embedding_options)}. "
-            "SparseEmbedding has no counterpart of max_norm, scale_grad_by_freq or sparse; exclude "
+            f"sparsify left {len(embedding_options)} nn.Embedding or nn.EmbeddingBag layer(s) dense: "
+            f"{', '.join(embedding_options)}. SparseEmbedding and SparseEmbeddingBag have no counterpart of max_norm, "
+            "scale_grad_by_freq or sparse; exclude "
             "the layers to silence this warning.",
             stacklevel=3,
         )
@@ -326,10 +328,12 @@ def sparsify(
             then scaled to the dense table's root mean square, so that its rows, and a tied head's
             logits, keep the dense model's scale (GPT-2 draws its table with std 0.02, where
             ``SparseEmbedding``'s own init keeps ``nn.Embedding``'s 1; not on the meta device).
-        embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` (off by
-            default: dynamic sparse training usually keeps embeddings dense). One with
+        embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` and the
+            ``nn.EmbeddingBag`` layers with :class:`SparseEmbeddingBag` (off by default: dynamic
+            sparse training usually keeps embeddings dense). One with
             ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning;
-            ``padding_idx`` carries over. An ``nn.Linear`` output layer that shares its weight
+            ``padding_idx`` (and a bag's ``mode`` and ``include_last_offset``) carry over. An
+            ``nn.Linear`` output layer that shares its weight
             (GPT-2's ``lm_head``, tied to ``wte``) becomes a :class:`SparseTiedHead` of the sparse
             embedding (its bias kept), and another ``nn.Embedding`` that shares it (T5's encoder and
             decoder tables) the same :class:`SparseEmbedding`, if all are selected: they stay tied,
@@ -424,11 +428,16 @@ def _turn_off_nested_tensor_fast_paths(modules: dict[int, tuple[nn.Module, list[
 def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsity: float, init: str) -> SparseLinear:
     """The sparse layer that replaces ``dense`` (whose ``weight`` is ``(out, in)`` or a
     convolution's ``(out, in, kh, kw)`` or ``(out, in, k)``): its largest weights, or a random topology."""
-    if type(dense) is nn.Embedding:
+    if type(dense) in (nn.Embedding, nn.EmbeddingBag):
+        sparse_class = SparseEmbedding if type(dense) is nn.Embedding else SparseEmbeddingBag
         if init == "magnitude":
-            return SparseEmbedding.from_dense(dense, sparsity=sparsity)
-        layer = SparseEmbedding(
-            *weight.shape, dense.padding_idx, sparsity=sparsity, device=weight.device, dtype=weight.dtype
+            return sparse_class.from_dense(dense, sparsity=sparsity)
+        options = (
+            {} if type(dense) is nn.Embedding else dict(mode=dense.mode, include_last_offset=dense.include_last_offset)
+        )
+        layer = sparse_class(
+            *weight.shape, padding_idx=dense.padding_idx, sparsity=sparsity, device=weight.device, dtype=weight.dtype,
+            **options,
         )
         if weight.device.type != "meta":  # (N(0, 1)'s root mean square is 1: nn.Embedding's default unchanged)
             with torch.no_grad():
@@ -488,7 +497,8 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         kinds = (
-            "nn.Linear, nn.MultiheadAttention, 1-, 2- or 3-D (transposed) convolution or nn.Embedding" if embeddings
+            "nn.Linear, nn.MultiheadAttention, 1-, 2- or 3-D (transposed) convolution, nn.Embedding or "
+            "nn.EmbeddingBag" if embeddings
             else "nn.Linear, nn.MultiheadAttention or 1-, 2- or 3-D (transposed) convolution"
         )
         warnings.warn(
@@ -525,7 +535,8 @@ def _in_dense_attention_encoder_layer(parent: nn.Module, converted_attentions: s
 
 def densify(module: nn.Module) -> nn.Module:
     """Replace every :class:`SparseLinear` in ``module`` with an equivalent ``nn.Linear`` (every
-    :class:`SparseEmbedding` with an ``nn.Embedding``, and
+    :class:`SparseEmbedding` with an ``nn.Embedding``, every :class:`SparseEmbeddingBag` with an
+    ``nn.EmbeddingBag``, and
     every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
     ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``, every
     :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``),
@@ -603,6 +614,10 @@ def _dense_twin(layer: SparseLinear) -> dict:
     """``nn.utils.skip_init``'s arguments for the dense layer ``densify`` makes of ``layer``."""
     if isinstance(layer, _SparseConvNd):
         return dict(module_cls=layer._dense_class, **layer._dense_arguments())
+    if isinstance(layer, SparseEmbeddingBag):
+        return dict(module_cls=nn.EmbeddingBag, num_embeddings=layer.num_embeddings,
+                    embedding_dim=layer.embedding_dim, mode=layer.mode, padding_idx=layer.padding_idx,
+                    include_last_offset=layer.include_last_offset)  # fmt: skip
     if isinstance(layer, SparseEmbedding):
         return dict(module_cls=nn.Embedding, num_embeddings=layer.num_embeddings, embedding_dim=layer.embedding_dim,
                     padding_idx=layer.padding_idx)  # fmt: skip

@@ -15,7 +15,7 @@ from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transform
 from snack.func import transforms_active
 from snack.nn import tracing
 from snack.nn.layer import SparseLinear, _reject_meta
-from snack.topology import MAX_INDEX, coo_from_dense
+from snack.topology import MAX_INDEX, Topology, coo_from_dense
 
 __all__ = ["SparseEmbedding"]
 
@@ -192,25 +192,39 @@ class SparseEmbedding(SparseLinear):
         layer's dtype (under ``torch.autocast`` too, as ``nn.Embedding``'s)."""
         if tracing.fx_symbolic_tracing():
             return self._fx_forward(input)
+        return self._lookup(input).view(*input.shape, self.embedding_dim)
+
+    def _lookup(self, input: Tensor) -> Tensor:
+        """The table rows of the ids ``input (*)`` (checked), flattened: ``(N, embedding_dim)``,
+        ``N = input.numel()``; the padding row's pass no gradient."""
+        return self._rows(*self._state_and_checked_ids(input))
+
+    def _rows(self, values: Tensor, topology: Topology, ids: Tensor) -> Tensor:
+        """``(N, embedding_dim)``: the rows of the checked ``ids (N,)`` in the table of ``values`` at
+        ``topology`` (:meth:`_state_and_checked_ids`)."""
+        lookup = embedding_lookup_for_transforms if transforms_active() else embedding_lookup
+        output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
+        return without_padding_gradient(output, ids, self.padding_idx)
+
+    def _state_and_checked_ids(self, input: Tensor) -> tuple[Tensor, Topology, Tensor]:
+        """``(values, topology, ids (N,) int64)``: one consistent state of the layer and the ids
+        of ``input (*)``, flattened, checked (their range only in eager code)."""
+        name = type(self).__name__
         if not isinstance(input, Tensor):
-            raise TypeError(f"SparseEmbedding expects a Tensor of token ids, got {type(input).__name__}")
+            raise TypeError(f"{name} expects a Tensor of token ids, got {type(input).__name__}")
         if input.dtype.is_floating_point or input.dtype.is_complex or input.dtype == torch.bool:
-            raise TypeError(f"SparseEmbedding: input must hold integer ids (int64 or int32), got dtype {input.dtype}")
+            raise TypeError(f"{name}: input must hold integer ids (int64 or int32), got dtype {input.dtype}")
         values, _, topology = self._consistent_state()
         if input.device != values.device:
-            raise ValueError(f"SparseEmbedding: input is on {input.device} but the layer is on {values.device}")
+            raise ValueError(f"{name}: input is on {input.device} but the layer is on {values.device}")
         if torch._C._get_tracing_state() is None and values.shape != (topology.nnz,):
             # values put in by assignment or torch.func.functional_call: the kernels trust its length
-            raise ValueError(f"SparseEmbedding: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
+            raise ValueError(f"{name}: values must have shape ({topology.nnz},), got {tuple(values.shape)}")
         ids = input.reshape(-1).long()
-        if transforms_active():  # torch.func (vmap may batch the ids: no data-dependent check)
-            lookup = embedding_lookup_for_transforms
-        else:
-            lookup = embedding_lookup
-            if not (torch.compiler.is_compiling() or tracing.program_tracing()):
-                self._check_ids(ids)
-        output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
-        return without_padding_gradient(output, ids, self.padding_idx).view(*input.shape, self.embedding_dim)
+        # (torch.func's vmap may batch the ids, and compiled code cannot read them: no range check)
+        if not (transforms_active() or torch.compiler.is_compiling() or tracing.program_tracing()):
+            self._check_ids(ids)
+        return values, topology, ids
 
     def attend(self, hidden: Tensor) -> Tensor:
         """The table as an output layer: ``hidden (*, embedding_dim)`` → logits ``(*,
@@ -274,7 +288,7 @@ class SparseEmbedding(SparseLinear):
         if low < 0 or high >= self.num_embeddings:
             bad = int(low) if low < 0 else int(high)
             raise IndexError(
-                f"SparseEmbedding(num_embeddings={self.num_embeddings}): input holds id {bad}, outside "
+                f"{type(self).__name__}(num_embeddings={self.num_embeddings}): input holds id {bad}, outside "
                 f"[0, {self.num_embeddings - 1}]"
             )
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from snack.backends.derived import held
 from snack.func import transforms_active
@@ -535,6 +536,12 @@ class SparseLinear(nn.Module):
         return tracing.fx_sparse_linear(input, self.values, self.bias, self.row, self.col, *shape)
 
     # ------------------------------------------------------------------ rows for RigL
+
+    def _register_recording_hook(self, hook) -> RemovableHandle:
+        """Register ``hook(layer, args, kwargs, output)`` where RigL records a call's input and
+        output: a forward hook, run first (before any user hook rescales the output or changes it
+        in place). A bag layer records its lookups instead (:class:`SparseEmbeddingBag`)."""
+        return self.register_forward_hook(hook, with_kwargs=True, prepend=True)
 
     def _record_of_input(self, x: Tensor) -> Tensor:
         """What RigL keeps of an input ``x (*, in_features)``, a copy: here its rows ``(N,

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from snack.backends.derived import derived
-from snack.embedding_ops import embedding_lookup, without_padding_gradient
+from snack.embedding_ops import embedding_bag, embedding_lookup, without_padding_gradient
 from snack.nn import locking
+from snack.nn.bags import bag_of_each_id, bag_weights, embedding_bags
 from snack.ops import sparse_linear, spmm_t
 from snack.topology import INDEX_DTYPE, Topology
 
@@ -50,6 +51,23 @@ def fx_sparse_embedding(
     return without_padding_gradient(output, flat, padding_idx).view(*ids.shape, shape[1])
 
 
+def fx_sparse_embedding_bag(
+    ids: Tensor, offsets: Tensor | None, per_sample_weights: Tensor | None, values: Tensor, row: Tensor, col: Tensor,
+    shape: tuple[int, int], padding_idx: int | None, mode: str, include_last_offset: bool,
+) -> Tensor:
+    """A :class:`SparseEmbeddingBag` forward as ``torch.fx.symbolic_trace`` records it when it
+    traces the layer itself: one call taking the layer's tensors and options."""
+    flat = ids.reshape(-1).long()
+    bag, bags = bag_of_each_id(ids, offsets, include_last_offset)
+    weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
+    if mode == "max":
+        rows = fx_sparse_embedding(flat, values, row, col, shape, padding_idx)
+        return embedding_bags(rows, flat, bag, bags, mode, weights, padding_idx)
+    weights = bag_weights(flat, bag, bags, mode, weights, padding_idx, values.dtype)
+    rowptr = traced_topology(row, col, shape).rowptr
+    return embedding_bag(values, row, col, rowptr, flat, bag, weights, bags, shape[1])
+
+
 def traced_topology(row: Tensor, col: Tensor, shape: tuple[int, int]) -> Topology:
     """The topology of ``row``/``col`` as a traced program computes it: the index data from
     :func:`topology_index_data`, which the program records as one op."""
@@ -73,6 +91,7 @@ def fx_embedding_attend(embedding, hidden: Tensor) -> Tensor:
 torch.fx.wrap("fx_sparse_linear")
 torch.fx.wrap("fx_sparse_linear_transposed")
 torch.fx.wrap("fx_sparse_embedding")
+torch.fx.wrap("fx_sparse_embedding_bag")
 torch.fx.wrap("fx_layer_forward")
 torch.fx.wrap("fx_embedding_attend")
 
