@@ -192,16 +192,11 @@ class SparseEmbedding(SparseLinear):
         layer's dtype (under ``torch.autocast`` too, as ``nn.Embedding``'s)."""
         if tracing.fx_symbolic_tracing():
             return self._fx_forward(input)
-        return self._lookup(input).view(*input.shape, self.embedding_dim)
-
-    def _lookup(self, input: Tensor) -> Tensor:
-        """The table rows of the ids ``input (*)`` (checked), flattened: ``(N, embedding_dim)``,
-        ``N = input.numel()``; the padding row's pass no gradient."""
-        return self._rows(*self._state_and_checked_ids(input))
+        return self._rows(*self._state_and_checked_ids(input)).view(*input.shape, self.embedding_dim)
 
     def _rows(self, values: Tensor, topology: Topology, ids: Tensor) -> Tensor:
         """``(N, embedding_dim)``: the rows of the checked ``ids (N,)`` in the table of ``values`` at
-        ``topology`` (:meth:`_state_and_checked_ids`)."""
+        ``topology`` (:meth:`_state_and_checked_ids`); the padding row's pass no gradient."""
         lookup = embedding_lookup_for_transforms if transforms_active() else embedding_lookup
         output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
         return without_padding_gradient(output, ids, self.padding_idx)

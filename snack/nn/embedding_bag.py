@@ -8,9 +8,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from snack.nn import tracing
 from snack.embedding_ops import embedding_bag
 from snack.func import transforms_active
+from snack.nn import tracing
 from snack.nn.bags import MODES, bag_of_each_id, bag_weights, embedding_bags
 from snack.nn.embedding import SparseEmbedding, _check_sizes, _checked_padding_idx, unsupported_options
 from snack.nn.layer import _reject_meta
@@ -35,10 +35,12 @@ class SparseEmbeddingBag(SparseEmbedding):
       layer's dtype; each row is scaled by it before the sum.
 
     Output ``(B, embedding_dim)`` in the layer's dtype. Ids equal to ``padding_idx`` are left out
-    of their bag (nor counted in a mean); an empty bag gives zeros. The rows of the ids are looked
-    up as :class:`SparseEmbedding` looks them up (only their connections), then reduced per bag:
-    the work and memory are the ``N`` looked-up rows', and the table's gradient has ``nnz``
-    entries; no ``num_embeddings × embedding_dim`` tensor is built.
+    of their bag (nor counted in a mean); an empty bag gives zeros. A sum or mean is one fused op
+    (:func:`snack.embedding_ops.embedding_bag`: each bag's ids' connections added up as they are
+    read, native on the CPU); a ``max`` looks the ids' rows up ``(N, embedding_dim)``, as
+    :class:`SparseEmbedding` does, then reduces them (:mod:`snack.nn.bags`). Either way only the
+    ids' connections are read, the table's gradient has ``nnz`` entries, and no
+    ``num_embeddings × embedding_dim`` tensor is built.
 
     Dynamic sparse training rewires it as any embedding: RigL records each lookup's ids and the
     gradient of its rows (the bag's gradient as it reaches each id: times the id's weight, over

@@ -22,9 +22,9 @@
 // connection's gradient written once.
 //
 // The bag kernels (snack.SparseEmbeddingBag's sums and means) reduce each bag as they read its
-// ids' connections: without them a bag layer looked up (N, dim) rows and added them up (four
-// times nn.EmbeddingBag's time for 2,048 bags of 20 ids of a 64-wide table). A bag is summed by
-// one thread (no atomics).
+// ids' connections, a bag per thread at a time (no atomics). Without them a bag layer looked up
+// (N, dim) rows, then added them up: 3.75 ms for 2,048 bags of 20 ids of a 1,000,000 x 64 table at
+// 90% (nn.EmbeddingBag: 0.96 ms), where the bag kernel takes 0.70-0.79 ms.
 //
 // All check that every id lies in [0, V): the ops are public, and an id out of range would
 // read out of bounds.
