@@ -28,7 +28,7 @@ from snack.indexing import native_for
 
 __all__ = [
     "embedding_bag", "embedding_bag_values_grad", "embedding_lookup", "embedding_lookup_for_transforms",
-    "embedding_values_grad", "without_padding_gradient",
+    "embedding_values_grad", "table_of_rows_looked_up", "without_padding_gradient",
 ]
 
 
@@ -178,6 +178,49 @@ def embedding_lookup_for_transforms(
     picked = torch.where(present, values[positions], 0)
     output = values.new_zeros(*indices.shape, embedding_dim)
     return output.scatter_add(-1, col[positions].long(), picked)
+
+
+class _GatherWithSparseGradient(torch.autograd.Function):
+    """``values[positions]``, whose gradient reaches ``values`` as a sparse COO tensor at
+    ``positions`` (sorted, unique): no ``(nnz,)`` tensor is formed."""
+
+    @staticmethod
+    def forward(values: Tensor, positions: Tensor) -> Tensor:
+        return values.index_select(0, positions)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        values, positions = inputs
+        ctx.save_for_backward(positions)
+        ctx.length = values.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (positions,) = ctx.saved_tensors
+        sparse = torch.sparse_coo_tensor(
+            positions.unsqueeze(0), grad, (ctx.length,), is_coalesced=True,
+            check_invariants=False,  # (sorted and unique by construction)
+        )
+        return sparse, None
+
+
+def table_of_rows_looked_up(
+    values: Tensor, rowptr: Tensor, col: Tensor, ids: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(values, row, col, rowptr, ids)`` of the table of only the rows of ``ids (N,)``, in the
+    order of their ids, for a lookup whose gradient reaches ``values`` as a sparse COO tensor of
+    those rows' connections (``nn.Embedding(sparse=True)``'s rule: an optimizer for sparse
+    gradients, ``torch.optim.SparseAdam`` or ``SGD``, then steps only them).
+
+    The small table's values are gathered from ``values`` (``(M,)``, ``M`` the rows' connections),
+    its ids are the positions of ``ids`` among the rows (int64); looked up, and its gradient formed,
+    as any table's, it touches nothing of the size of ``nnz``."""
+    rows, local_ids = torch.unique(ids, return_inverse=True)
+    token, positions = _connections_of(rows, rowptr)
+    counts = rowptr.index_select(0, rows + 1) - rowptr.index_select(0, rows)
+    local_rowptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0, dtype=rowptr.dtype)])
+    local_values = _GatherWithSparseGradient.apply(values, positions)
+    return local_values, token.to(col.dtype), col.index_select(0, positions), local_rowptr, local_ids
 
 
 def without_padding_gradient(output: Tensor, ids: Tensor, padding_idx: int | None) -> Tensor:

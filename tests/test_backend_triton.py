@@ -1111,3 +1111,24 @@ def test_a_sparse_embedding_on_the_device_matches_dense_math():
     (table_grad,) = torch.autograd.grad(expected, table, grad)
     assert torch.equal(output, expected)
     torch.testing.assert_close(layer.values.grad, table_grad[layer.row.long(), layer.col.long()])
+
+
+@pytest.mark.parametrize("mode", ["sum", "max"])
+def test_a_sparse_embedding_bag_on_the_device_matches_dense_math(mode):
+    """SparseEmbeddingBag has no Triton kernel either: on a GPU its fused sum runs the lookup, then
+    an index_add, and its max the lookup and torch's reductions. Offsets with an empty bag,
+    repeated ids, per-sample weights for the sum."""
+    layer = snack.SparseEmbeddingBag(97, 24, mode=mode, sparsity=0.8, device=DEVICE)
+    ids = torch.randint(0, 97, (40,), device=DEVICE)
+    ids[:4] = 3
+    offsets = torch.tensor([0, 10, 10, 25], device=DEVICE)
+    weights = torch.rand(40, device=DEVICE) if mode == "sum" else None
+    grad = torch.randn(4, 24, device=DEVICE)
+    with snack.use_backend("triton"):
+        output = layer(ids, offsets, weights)
+        output.backward(grad)
+    table = layer.to_dense().detach().requires_grad_()
+    expected = torch.nn.functional.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=weights)
+    (table_grad,) = torch.autograd.grad(expected, table, grad)
+    torch.testing.assert_close(output, expected)
+    torch.testing.assert_close(layer.values.grad, table_grad[layer.row.long(), layer.col.long()])

@@ -250,7 +250,7 @@ def test_reading_weight_says_what_to_use():
 
 
 def test_from_dense_refuses_what_a_sparse_table_lacks():
-    for options in (dict(max_norm=1.0), dict(scale_grad_by_freq=True), dict(sparse=True)):
+    for options in (dict(max_norm=1.0), dict(scale_grad_by_freq=True)):
         with pytest.raises(ValueError, match=f"no counterpart of nn.Embedding's {next(iter(options))}"):
             snack.SparseEmbedding.from_dense(nn.Embedding(5, 3, **options))
     with pytest.raises(ValueError, match="must be \\(num_embeddings, embedding_dim\\)"):
@@ -456,6 +456,85 @@ def test_no_warnings_in_a_plain_training_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+
+
+# --------------------------------------------------------------------- sparse gradients
+
+
+def test_sparse_gradient_holds_the_connections_of_the_rows_looked_up():
+    layer = _embedding(40, 12, 0.7, empty_rows=(5,))
+    dense_gradient = copy.deepcopy(layer)
+    layer.sparse = True
+    ids = torch.tensor([[3, 5, 3], [39, 0, 3]])
+    grad_out = torch.randn(2, 3, 12, dtype=torch.float64)
+    layer(ids).backward(grad_out)
+    dense_gradient(ids).backward(grad_out)
+    grad = layer.values.grad
+    assert grad.layout == torch.sparse_coo
+    touched = torch.isin(layer.row, torch.tensor([0, 3, 5, 39])).nonzero().view(-1)
+    assert torch.equal(grad.coalesce().indices()[0], touched)
+    torch.testing.assert_close(grad.to_dense(), dense_gradient.values.grad)
+
+
+def test_sparse_gradients_are_eager_autograds_torch_func_and_no_grad_look_up_the_whole_table():
+    layer = _embedding(20, 6, 0.5)
+    layer.sparse = True
+    ids = torch.tensor([2, 9, 9])
+    grad = torch.func.grad(lambda v: torch.func.functional_call(layer, {"values": v}, (ids,)).sum())(
+        layer.values.detach()
+    )
+    assert grad.layout == torch.strided and grad.shape == (layer.nnz,)
+    with torch.no_grad():
+        assert torch.equal(layer(ids), F.embedding(ids, layer.to_dense()))
+
+
+def test_sparse_adam_steps_the_rows_looked_up_as_for_nn_embeddings_sparse_gradient():
+    """SparseAdam on a ``sparse=True`` table equals SparseAdam on ``nn.Embedding(sparse=True)``
+    holding the same table, at the connections; rows never looked up stay as they were."""
+    torch.manual_seed(0)
+    layer = snack.SparseEmbedding(30, 8, sparsity=0.6, sparse=True, dtype=torch.float64)
+    dense = nn.Embedding(30, 8, sparse=True, dtype=torch.float64)
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+    optimizers = {module: torch.optim.SparseAdam(module.parameters(), lr=0.1) for module in (layer, dense)}
+    before = layer.values.detach().clone()
+    for ids in (torch.tensor([1, 2, 2]), torch.tensor([2, 7]), torch.tensor([7, 1])):
+        target = torch.randn(len(ids), 8, dtype=torch.float64)
+        for module, optimizer in optimizers.items():
+            optimizer.zero_grad()
+            (module(ids) - target).square().sum().backward()
+            optimizer.step()
+    torch.testing.assert_close(layer.values.detach(), dense.weight.detach()[layer.row.long(), layer.col.long()])
+    untouched = ~torch.isin(layer.row, torch.tensor([1, 2, 7]))
+    assert untouched.any() and torch.equal(layer.values.detach()[untouched], before[untouched])
+
+
+def test_sparse_is_carried_by_from_dense_sparsify_and_densify_and_checked():
+    layer = snack.SparseEmbedding.from_dense(nn.Embedding(10, 4, sparse=True))
+    assert layer.sparse and "sparse=True" in repr(layer)
+    for init in ("magnitude", "random"):
+        model = snack.sparsify(nn.Sequential(nn.Embedding(10, 4, sparse=True)), 0.5, embeddings=True, init=init)
+        assert model[0].sparse
+    assert snack.densify(model)[0].sparse
+    with pytest.raises(TypeError, match="sparse must be a bool, got int 1"):
+        snack.SparseEmbedding(10, 4, sparse=1)
+
+
+def test_rigl_rewires_a_table_with_sparse_gradients_and_sparse_adams_state():
+    torch.manual_seed(0)
+    layer = snack.SparseEmbedding(50, 16, sparsity=0.9, sparse=True)
+    optimizer = torch.optim.SparseAdam([layer.values], lr=0.01)
+    dst = snack.dst.RigL(layer, optimizer, update_every=1, total_steps=10, drop_fraction=0.3)
+    before = layer.indices().clone()
+    for _ in range(2):  # the update step, then one more with the new connections
+        optimizer.zero_grad()
+        layer(torch.randint(0, 50, (4, 9))).square().sum().backward()
+        assert layer.values.grad.layout == torch.sparse_coo
+        optimizer.step()
+        dst.step()
+    assert not torch.equal(layer.indices(), before)
+    state = optimizer.state[layer.values]
+    assert state["exp_avg"].shape == state["exp_avg_sq"].shape == (layer.nnz,)
 
 
 # --------------------------------------------------------------------- programs and transforms

@@ -138,6 +138,22 @@ def test_output_under_autocast_keeps_the_tables_dtype_as_nn_embedding_bag_does()
     assert y.dtype == torch.float32
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_gradients_hold_the_connections_of_the_ids_rows(mode):
+    """``sparse=True`` on the fused sum's path and the rows' (max): the gradient of the looked-up
+    rows' connections, as a sparse COO tensor."""
+    layer = _bag_layer(mode=mode, padding_idx=0)
+    dense_gradient = copy.deepcopy(layer)
+    layer.sparse = True
+    grad_out = torch.randn(5, 12, dtype=torch.float64)
+    layer(IDS, OFFSETS).backward(grad_out)
+    dense_gradient(IDS, OFFSETS).backward(grad_out)
+    assert layer.values.grad.layout == torch.sparse_coo
+    touched = torch.isin(layer.row, IDS).nonzero().view(-1)
+    assert torch.equal(layer.values.grad.coalesce().indices()[0], touched)
+    torch.testing.assert_close(layer.values.grad.to_dense(), dense_gradient.values.grad)
+
+
 # --------------------------------------------------------------------- the fused sum
 
 
@@ -243,14 +259,15 @@ def test_construction_keeps_the_options_and_nn_embeddings_variance():
 
 
 def test_from_dense_carries_the_options_and_keeps_the_largest_entries():
-    dense = nn.EmbeddingBag(20, 6, mode="max", padding_idx=4, include_last_offset=True)
+    dense = nn.EmbeddingBag(20, 6, mode="max", padding_idx=4, include_last_offset=True, sparse=True)
     layer = snack.SparseEmbeddingBag.from_dense(dense, sparsity=0.5)
-    assert (layer.mode, layer.padding_idx, layer.include_last_offset) == ("max", 4, True)
+    assert (layer.mode, layer.padding_idx, layer.include_last_offset, layer.sparse) == ("max", 4, True, True)
     kept = layer.to_dense() != 0
     assert kept.sum() == 60 and torch.equal(layer.to_dense()[kept], dense.weight.detach()[kept])
     assert dense.weight.detach().abs()[~kept].max() <= dense.weight.detach().abs()[kept].min()
     from_table = snack.SparseEmbeddingBag.from_dense(dense.weight.detach(), mode="sum")
     assert (from_table.mode, from_table.padding_idx, from_table.nnz) == ("sum", None, 114)  # all but the padding row
+    assert not from_table.sparse
 
 
 @pytest.mark.parametrize(

@@ -261,9 +261,8 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
     if embedding_options:
         warnings.warn(
             f"sparsify left {len(embedding_options)} nn.Embedding or nn.EmbeddingBag layer(s) dense: "
-            f"{', '.join(embedding_options)}. SparseEmbedding and SparseEmbeddingBag have no counterpart of max_norm, "
-            "scale_grad_by_freq or sparse; exclude "
-            "the layers to silence this warning.",
+            f"{', '.join(embedding_options)}. SparseEmbedding and SparseEmbeddingBag have no counterpart of max_norm "
+            "or scale_grad_by_freq; exclude the layers to silence this warning.",
             stacklevel=3,
         )
     if other_convolutions:
@@ -331,8 +330,8 @@ def sparsify(
         embeddings: also replace the ``nn.Embedding`` layers with :class:`SparseEmbedding` and the
             ``nn.EmbeddingBag`` layers with :class:`SparseEmbeddingBag` (off by default: dynamic
             sparse training usually keeps embeddings dense). One with
-            ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` set stays dense, with a warning;
-            ``padding_idx`` (and a bag's ``mode`` and ``include_last_offset``) carry over. An
+            ``max_norm`` or ``scale_grad_by_freq`` set stays dense, with a warning; ``padding_idx``
+            and ``sparse`` (and a bag's ``mode`` and ``include_last_offset``) carry over. An
             ``nn.Linear`` output layer that shares its weight
             (GPT-2's ``lm_head``, tied to ``wte``) becomes a :class:`SparseTiedHead` of the sparse
             embedding (its bias kept), and another ``nn.Embedding`` that shares it (T5's encoder and
@@ -432,9 +431,9 @@ def _sparse_layer(dense: nn.Module, weight: Tensor, bias: Tensor | None, sparsit
         sparse_class = SparseEmbedding if type(dense) is nn.Embedding else SparseEmbeddingBag
         if init == "magnitude":
             return sparse_class.from_dense(dense, sparsity=sparsity)
-        options = (
-            {} if type(dense) is nn.Embedding else dict(mode=dense.mode, include_last_offset=dense.include_last_offset)
-        )
+        options = dict(sparse=dense.sparse)
+        if type(dense) is nn.EmbeddingBag:
+            options.update(mode=dense.mode, include_last_offset=dense.include_last_offset)
         layer = sparse_class(
             *weight.shape, padding_idx=dense.padding_idx, sparsity=sparsity, device=weight.device, dtype=weight.dtype,
             **options,
@@ -617,9 +616,9 @@ def _dense_twin(layer: SparseLinear) -> dict:
     if isinstance(layer, SparseEmbeddingBag):
         return dict(module_cls=nn.EmbeddingBag, num_embeddings=layer.num_embeddings,
                     embedding_dim=layer.embedding_dim, mode=layer.mode, padding_idx=layer.padding_idx,
-                    include_last_offset=layer.include_last_offset)  # fmt: skip
+                    include_last_offset=layer.include_last_offset, sparse=layer.sparse)  # fmt: skip
     if isinstance(layer, SparseEmbedding):
         return dict(module_cls=nn.Embedding, num_embeddings=layer.num_embeddings, embedding_dim=layer.embedding_dim,
-                    padding_idx=layer.padding_idx)  # fmt: skip
+                    padding_idx=layer.padding_idx, sparse=layer.sparse)  # fmt: skip
     return dict(module_cls=nn.Linear, in_features=layer.in_features, out_features=layer.out_features,
                 bias=layer.bias is not None)  # fmt: skip

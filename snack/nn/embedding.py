@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from snack.embedding_ops import embedding_lookup, embedding_lookup_for_transforms, without_padding_gradient
+from snack.embedding_ops import (
+    embedding_lookup, embedding_lookup_for_transforms, table_of_rows_looked_up, without_padding_gradient,
+)
 from snack.func import transforms_active
 from snack.nn import tracing
 from snack.nn.layer import SparseLinear, _reject_meta
@@ -23,7 +25,6 @@ __all__ = ["SparseEmbedding"]
 _UNSUPPORTED_OPTIONS = {
     "max_norm": None,  # renormalises the looked-up rows in place
     "scale_grad_by_freq": False,
-    "sparse": False,  # torch.sparse gradients: snack's already are one value per connection
 }
 
 
@@ -59,13 +60,19 @@ class SparseEmbedding(SparseLinear):
             (:attr:`~SparseLinear.growth_topology`).
         sparsity: fraction of zero entries in ``[0, 1)``; ``round((1 - sparsity) · num_embeddings ·
             embedding_dim)`` connections (at least one; with ``padding_idx``, of the other rows).
+        sparse: as ``nn.Embedding``'s: ``values.grad`` is a sparse COO tensor holding the
+            connections of the rows looked up, so that ``torch.optim.SparseAdam`` (or ``SGD``)
+            steps only those instead of all ``nnz`` (eager lookups; compiled, exported and
+            ``torch.func`` code, and :meth:`attend`'s gradient, give dense ones). For models whose
+            optimizer needs sparse gradients: ``SparseAdam`` on them was slower than a fused
+            ``Adam`` on all connections in the README's benchmarks.
         device, dtype: of ``values`` (indices are int32 on ``device``).
 
     :meth:`attend` uses the table as an output layer (``hidden · tableᵀ``, the logits of a language
     model whose head is tied to its token embedding, GPT-2's ``lm_head``); :class:`SparseTiedHead`
     is that head as a module.
 
-    ``nn.Embedding``'s ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no counterpart
+    ``nn.Embedding``'s ``max_norm`` and ``scale_grad_by_freq`` have no counterpart
     (:meth:`from_dense` refuses a layer that sets them). Use :meth:`from_dense` to keep the largest
     entries of an ``nn.Embedding``, or ``snack.sparsify(model, embeddings=True)``.
     """
@@ -77,10 +84,12 @@ class SparseEmbedding(SparseLinear):
         padding_idx: int | None = None,
         *,
         sparsity: float = 0.9,
+        sparse: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         _check_sizes(num_embeddings, embedding_dim)
+        self.sparse = _checked_sparse(sparse)
         # set first: the constructor draws the topology, which leaves this row out
         self.padding_idx = _checked_padding_idx(padding_idx, num_embeddings)
         super().__init__(embedding_dim, num_embeddings, False, sparsity=sparsity, device=device, dtype=dtype)
@@ -101,8 +110,8 @@ class SparseEmbedding(SparseLinear):
         ``(num_embeddings, embedding_dim)`` table.
 
         Args:
-            embedding_or_weight: an ``nn.Embedding`` (its ``padding_idx`` carries over; without
-                ``max_norm``, ``scale_grad_by_freq`` or ``sparse``, which a sparse table does not
+            embedding_or_weight: an ``nn.Embedding`` (its ``padding_idx`` and ``sparse`` carry
+                over; without ``max_norm`` or ``scale_grad_by_freq``, which a sparse table does not
                 have) or its weight.
             sparsity: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
                 largest-magnitude ``round((1 - sparsity) · num_embeddings · embedding_dim)`` entries.
@@ -116,8 +125,9 @@ class SparseEmbedding(SparseLinear):
                     f"embedding_or_weight: SparseEmbedding has no counterpart of nn.Embedding's {unsupported}"
                 )
             weight, padding_idx = embedding_or_weight.weight, embedding_or_weight.padding_idx
+            sparse = embedding_or_weight.sparse
         elif isinstance(embedding_or_weight, Tensor):
-            weight, padding_idx = embedding_or_weight, None
+            weight, padding_idx, sparse = embedding_or_weight, None, False
         else:
             raise TypeError(
                 f"embedding_or_weight must be an nn.Embedding or a Tensor, got {type(embedding_or_weight).__name__}"
@@ -131,6 +141,7 @@ class SparseEmbedding(SparseLinear):
         num_embeddings, embedding_dim = weight.shape
         layer = cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
         layer.padding_idx = padding_idx  # (nn.Embedding's, normalised and checked)
+        layer.sparse = sparse
         return layer
 
     def _init_state(self, in_features, out_features, row, col, values, bias) -> None:
@@ -140,12 +151,13 @@ class SparseEmbedding(SparseLinear):
 
     def __setstate__(self, state):
         state.setdefault("_attend_hooks", OrderedDict())  # pickled before attend() existed
+        state.setdefault("sparse", False)  # pickled before sparse existed
         super().__setstate__(state)
 
     @classmethod
     def _from_parts(cls, in_features, out_features, row, col, values, bias) -> SparseEmbedding:
         layer = super()._from_parts(in_features, out_features, row, col, values, bias)
-        layer.padding_idx = None
+        layer.padding_idx, layer.sparse = None, False
         return layer
 
     def reset_parameters(self) -> None:
@@ -198,8 +210,19 @@ class SparseEmbedding(SparseLinear):
         """``(N, embedding_dim)``: the rows of the checked ``ids (N,)`` in the table of ``values`` at
         ``topology`` (:meth:`_state_and_checked_ids`); the padding row's pass no gradient."""
         lookup = embedding_lookup_for_transforms if transforms_active() else embedding_lookup
-        output = lookup(values, topology.row, topology.col, topology.rowptr, ids, self.embedding_dim)
+        output = lookup(*self._table_for(values, topology, ids), self.embedding_dim)
         return without_padding_gradient(output, ids, self.padding_idx)
+
+    def _table_for(self, values: Tensor, topology: Topology, ids: Tensor) -> tuple[Tensor, ...]:
+        """``(values, row, col, rowptr, ids)`` a lookup of ``ids`` reads: the layer's table, or with
+        ``sparse``, in eager code that records a gradient, the table of the rows looked up
+        (:func:`table_of_rows_looked_up`: only those rows' connections get a gradient)."""
+        if self.sparse and values.requires_grad and torch.is_grad_enabled() and not (
+            # (sparse gradients are eager autograd's: these give dense ones)
+            transforms_active() or torch.compiler.is_compiling() or tracing.program_tracing()
+        ):
+            return table_of_rows_looked_up(values, topology.rowptr, topology.col, ids)
+        return values, topology.row, topology.col, topology.rowptr, ids
 
     def _state_and_checked_ids(self, input: Tensor) -> tuple[Tensor, Topology, Tensor]:
         """``(values, topology, ids (N,) int64)``: one consistent state of the layer and the ids
@@ -327,9 +350,10 @@ class SparseEmbedding(SparseLinear):
 
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        sparse = ", sparse=True" if self.sparse else ""
         return (
             f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}{padding}, nnz={self.nnz}, "
-            f"sparsity={self.sparsity:.4f}"
+            f"sparsity={self.sparsity:.4f}{sparse}"
         )
 
 
@@ -362,6 +386,12 @@ def _checked_padding_idx(padding_idx, num_embeddings: int) -> int | None:
             f"(num_embeddings={num_embeddings}), got {padding_idx}"
         )
     return int(padding_idx) % num_embeddings
+
+
+def _checked_sparse(sparse) -> bool:
+    if not isinstance(sparse, bool):
+        raise TypeError(f"SparseEmbedding: sparse must be a bool, got {type(sparse).__name__} {sparse!r}")
+    return sparse
 
 
 def _check_sizes(num_embeddings, embedding_dim) -> None:

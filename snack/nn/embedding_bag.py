@@ -47,13 +47,13 @@ class SparseEmbeddingBag(SparseEmbedding):
     the bag's size, or only at the entries a ``max`` took).
 
     Args:
-        num_embeddings, embedding_dim, padding_idx, sparsity, device, dtype: as
+        num_embeddings, embedding_dim, padding_idx, sparsity, sparse, device, dtype: as
             :class:`SparseEmbedding`'s (keyword-only here but for the sizes: ``nn.EmbeddingBag``'s
             third positional argument is ``max_norm``).
         mode: ``"sum"``, ``"mean"`` (``nn.EmbeddingBag``'s default) or ``"max"``.
         include_last_offset: whether ``offsets`` ends with the number of ids, as in CSR form.
 
-    ``nn.EmbeddingBag``'s ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` have no counterpart.
+    ``nn.EmbeddingBag``'s ``max_norm`` and ``scale_grad_by_freq`` have no counterpart.
     :meth:`from_dense` keeps the largest entries of an ``nn.EmbeddingBag``;
     ``snack.sparsify(model, embeddings=True)`` converts them; :func:`snack.densify` turns one back.
     """
@@ -67,22 +67,25 @@ class SparseEmbeddingBag(SparseEmbedding):
         padding_idx: int | None = None,
         include_last_offset: bool = False,
         sparsity: float = 0.9,
+        sparse: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         _check_sizes(num_embeddings, embedding_dim)
         _check_bag_options(mode, include_last_offset)
         self.mode, self.include_last_offset = mode, include_last_offset
-        super().__init__(num_embeddings, embedding_dim, padding_idx, sparsity=sparsity, device=device, dtype=dtype)
+        super().__init__(
+            num_embeddings, embedding_dim, padding_idx, sparsity=sparsity, sparse=sparse, device=device, dtype=dtype
+        )
 
     @classmethod
     def from_dense(
         cls, embedding_bag_or_weight: nn.EmbeddingBag | Tensor, *, sparsity: float | None = None, mode: str = "mean"
     ) -> SparseEmbeddingBag:
         """A sparse bag layer holding the non-zeros of an ``nn.EmbeddingBag`` (its ``mode``,
-        ``padding_idx`` and ``include_last_offset`` carry over; without ``max_norm``,
-        ``scale_grad_by_freq`` or ``sparse``) or of a ``(num_embeddings, embedding_dim)`` table
-        (reduced by ``mode``).
+        ``padding_idx``, ``include_last_offset`` and ``sparse`` carry over; without ``max_norm`` or
+        ``scale_grad_by_freq``) or of a ``(num_embeddings, embedding_dim)`` table (reduced by
+        ``mode``).
 
         ``sparsity``: ``None`` keeps every non-zero; a float in ``[0, 1)`` keeps the
         largest-magnitude ``round((1 - sparsity) · num_embeddings · embedding_dim)`` entries. The
@@ -95,9 +98,9 @@ class SparseEmbeddingBag(SparseEmbedding):
                 raise ValueError(
                     f"embedding_bag_or_weight: SparseEmbeddingBag has no counterpart of nn.EmbeddingBag's {unsupported}"
                 )
-            weight, options = dense.weight, (dense.mode, dense.padding_idx, dense.include_last_offset)
+            weight, options = dense.weight, (dense.mode, dense.padding_idx, dense.include_last_offset, dense.sparse)
         elif isinstance(embedding_bag_or_weight, Tensor):
-            weight, options = embedding_bag_or_weight, (mode, None, False)
+            weight, options = embedding_bag_or_weight, (mode, None, False, False)
         else:
             raise TypeError(
                 "embedding_bag_or_weight must be an nn.EmbeddingBag or a Tensor, got "
@@ -109,12 +112,13 @@ class SparseEmbeddingBag(SparseEmbedding):
                 f"{tuple(weight.shape)}"
             )
         _reject_meta(weight.device)
-        bag_mode, padding_idx, include_last_offset = options
+        bag_mode, padding_idx, include_last_offset, sparse = options
         _check_bag_options(bag_mode, include_last_offset)  # (before anything is built)
         padding_idx = _checked_padding_idx(padding_idx, weight.shape[0])
         row, col, values = coo_from_dense(weight, sparsity)
         layer = cls._from_parts(weight.shape[1], weight.shape[0], row, col, values, None)
         layer.mode, layer.include_last_offset, layer.padding_idx = bag_mode, include_last_offset, padding_idx
+        layer.sparse = sparse
         return layer
 
     @classmethod
@@ -148,9 +152,7 @@ class SparseEmbeddingBag(SparseEmbedding):
                 hook(self, (ids,), {}, rows)
             return embedding_bags(rows, ids, bag, bags, self.mode, weights, self.padding_idx)
         weights = bag_weights(ids, bag, bags, self.mode, weights, self.padding_idx, values.dtype)
-        return embedding_bag(
-            values, topology.row, topology.col, topology.rowptr, ids, bag, weights, bags, self.embedding_dim
-        )
+        return embedding_bag(*self._table_for(values, topology, ids), bag, weights, bags, self.embedding_dim)
 
     def _register_recording_hook(self, hook) -> RemovableHandle:
         """Call ``hook(layer, (ids (N,),), {}, rows (N, embedding_dim))`` after each lookup, before
