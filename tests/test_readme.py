@@ -74,6 +74,23 @@ def test_transformers_example_trains_and_saves_a_model_from_pretrained_reads(tmp
     assert (loaded.transformer.wte.weight == 0).float().mean() == pytest.approx(0.9, abs=0.01)
 
 
+def test_recommender_example_trains_sparse_tables_with_rigl():
+    torch.manual_seed(0)
+    code = _block("from torch import nn")
+    assert "update_every=100" in code and "Recommender()" in code
+    code = code.replace("update_every=100", "update_every=2").replace("Recommender()", "Recommender(300, 200, 8)")
+    batches = [
+        (torch.randint(0, 300, (12,)), torch.tensor([0, 5, 5]), torch.randint(0, 200, (3, 4)), torch.rand(3).round())
+        for _ in range(4)
+    ]
+    namespace = {"T": len(batches), "batches": batches}
+    exec(code, namespace)
+    model = namespace["model"]
+    assert isinstance(model.users, snack.SparseEmbeddingBag) and model.items.mode == "mean"
+    assert namespace["dst"].step_count == len(batches)
+    assert model.users.sparsity == pytest.approx(0.9, abs=0.01)
+
+
 def test_weight_averaging_example_follows_the_rewires():
     torch.manual_seed(0)
     data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(6)]
