@@ -132,16 +132,25 @@ class SparseEmbedding(SparseLinear):
             raise TypeError(
                 f"embedding_or_weight must be an nn.Embedding or a Tensor, got {type(embedding_or_weight).__name__}"
             )
+        return cls._from_table(weight, sparsity, padding_idx, sparse, "embedding_or_weight")
+
+    @classmethod
+    def _from_table(
+        cls, weight: Tensor, sparsity: float | None, padding_idx: int | None, sparse: bool, argument: str
+    ) -> SparseEmbedding:
+        """The layer holding the non-zeros of ``weight (num_embeddings, embedding_dim)`` (all, or the
+        largest at ``sparsity``), with ``padding_idx`` (checked) and ``sparse`` (``from_dense``'s
+        common part; ``argument`` names the table in errors)."""
         if weight.dim() != 2:
             raise ValueError(
-                f"embedding_or_weight: the table must be (num_embeddings, embedding_dim), got {tuple(weight.shape)}"
+                f"{argument}: the table must be (num_embeddings, embedding_dim), got {tuple(weight.shape)}"
             )
         _reject_meta(weight.device)
+        padding_idx = _checked_padding_idx(padding_idx, weight.shape[0])
         row, col, values = coo_from_dense(weight, sparsity)
         num_embeddings, embedding_dim = weight.shape
         layer = cls._from_parts(embedding_dim, num_embeddings, row, col, values, None)
-        layer.padding_idx = padding_idx  # (nn.Embedding's, normalised and checked)
-        layer.sparse = sparse
+        layer.padding_idx, layer.sparse = padding_idx, sparse
         return layer
 
     def _init_state(self, in_features, out_features, row, col, values, bias) -> None:

@@ -12,9 +12,7 @@ from snack.embedding_ops import embedding_bag
 from snack.func import transforms_active
 from snack.nn import tracing
 from snack.nn.bags import MODES, bag_of_each_id, bag_weights, embedding_bags
-from snack.nn.embedding import SparseEmbedding, _check_sizes, _checked_padding_idx, unsupported_options
-from snack.nn.layer import _reject_meta
-from snack.topology import coo_from_dense
+from snack.nn.embedding import SparseEmbedding, _check_sizes, unsupported_options
 
 __all__ = ["SparseEmbeddingBag"]
 
@@ -106,19 +104,10 @@ class SparseEmbeddingBag(SparseEmbedding):
                 "embedding_bag_or_weight must be an nn.EmbeddingBag or a Tensor, got "
                 f"{type(embedding_bag_or_weight).__name__}"
             )
-        if weight.dim() != 2:
-            raise ValueError(
-                "embedding_bag_or_weight: the table must be (num_embeddings, embedding_dim), got "
-                f"{tuple(weight.shape)}"
-            )
-        _reject_meta(weight.device)
         bag_mode, padding_idx, include_last_offset, sparse = options
         _check_bag_options(bag_mode, include_last_offset)  # (before anything is built)
-        padding_idx = _checked_padding_idx(padding_idx, weight.shape[0])
-        row, col, values = coo_from_dense(weight, sparsity)
-        layer = cls._from_parts(weight.shape[1], weight.shape[0], row, col, values, None)
-        layer.mode, layer.include_last_offset, layer.padding_idx = bag_mode, include_last_offset, padding_idx
-        layer.sparse = sparse
+        layer = cls._from_table(weight, sparsity, padding_idx, sparse, "embedding_bag_or_weight")
+        layer.mode, layer.include_last_offset = bag_mode, include_last_offset
         return layer
 
     @classmethod
