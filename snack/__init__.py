@@ -11,7 +11,8 @@ from snack.averaging import AveragedModel, align_topology
 from snack.backends import available_backends, use_backend
 from snack.nn import (
     SparseConv1d, SparseConv2d, SparseConv3d, SparseConvTranspose1d, SparseConvTranspose2d, SparseConvTranspose3d,
-    SparseEmbedding, SparseEmbeddingBag, SparseLinear, SparseMultiheadAttention, SparseTiedHead, densify, sparsify,
+    SparseEmbedding, SparseEmbeddingBag, SparseGRU, SparseLinear, SparseLSTM, SparseMultiheadAttention, SparseRNN,
+    SparseTiedHead, densify, sparsify,
 )
 from snack.topology import Topology
 
@@ -38,8 +39,11 @@ __all__ = [
     "SparseConvTranspose3d",
     "SparseEmbedding",
     "SparseEmbeddingBag",
+    "SparseGRU",
+    "SparseLSTM",
     "SparseLinear",
     "SparseMultiheadAttention",
+    "SparseRNN",
     "SparseTiedHead",
     "Topology",
     "align_topology",

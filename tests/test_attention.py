@@ -370,7 +370,8 @@ def test_sparsify_leaves_out_proj_to_its_attention_and_warns_where_a_fast_path_s
     class Attention(nn.MultiheadAttention):
         pass
 
-    with pytest.warns(UserWarning, match=r"subclass\(es\) of nn.Linear or nn.MultiheadAttention dense: 0 \(Attention"):
+    with pytest.warns(UserWarning, match=r"subclass\(es\) of nn.Linear, nn.MultiheadAttention, nn.LSTM, nn.GRU or "
+                                         r"nn.RNN dense: 0 \(Attention"):  # fmt: skip
         snack.sparsify(nn.Sequential(Attention(8, 2), nn.Linear(8, 8)), 0.5)
 
 

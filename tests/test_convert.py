@@ -54,8 +54,9 @@ def test_sparsify_warns_when_it_likely_missed_what_was_meant():
     assert len(messages) == 2
     assert all(w.filename == __file__ for w in caught)  # they point at the call
     assert messages[0].startswith("sparsify: include pattern 'fc*' matches no module name (names look like '0', ")
-    assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear, nn.MultiheadAttention "
-                                  "or 1-, 2- or 3-D (transposed) convolution selected by include/")
+    assert messages[1].startswith("sparsify converted no layer: the model holds no nn.Linear, nn.MultiheadAttention, "
+                                  "recurrent (nn.LSTM, nn.GRU, nn.RNN) or 1-, 2- or 3-D (transposed) convolution "
+                                  "selected by include/")
     with pytest.warns(UserWarning, match="exclude pattern '33' matches no module name"):
         snack.sparsify(model, sparsity=0.5, exclude="33")
     with pytest.warns(UserWarning, match="its 3 SparseLinear layer\\(s\\) keep their sparsity"):
@@ -116,8 +117,8 @@ class _DoubledLinear(nn.Linear):
 
 def test_sparsify_leaves_linear_subclasses_dense_with_a_warning():
     model = nn.Sequential(_DoubledLinear(16, 16), nn.Linear(16, 16))
-    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear or nn.MultiheadAttention dense: "
-                                         r"0 \(_DoubledLinear\)") as caught:  # fmt: skip
+    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear, nn.MultiheadAttention, nn.LSTM, "
+                                         r"nn.GRU or nn.RNN dense: 0 \(_DoubledLinear\)") as caught:  # fmt: skip
         snack.sparsify(model, 0.5)
     assert caught[0].filename == __file__  # it points at the call
     assert type(model[0]) is _DoubledLinear and isinstance(model[1], SparseLinear)

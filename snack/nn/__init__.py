@@ -4,11 +4,13 @@
 :class:`SparseConvTranspose2d`, :class:`SparseConvTranspose1d` and :class:`SparseConvTranspose3d`
 for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``,
 :class:`SparseMultiheadAttention` for ``nn.MultiheadAttention`` (its projections sparse),
+:class:`SparseLSTM`, :class:`SparseGRU` and :class:`SparseRNN` for ``nn.LSTM``, ``nn.GRU`` and
+``nn.RNN`` (their weight matrices sparse),
 :class:`SparseEmbedding` for ``nn.Embedding`` (:class:`SparseTiedHead` for an output layer tied to
 it), :class:`SparseEmbeddingBag` for ``nn.EmbeddingBag``, and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
-``layer`` holds the linear layer, ``attention`` the attention, ``conv`` the convolution
+``layer`` holds the linear layer, ``attention`` the attention, ``recurrent`` the recurrent layers, ``conv`` the convolution
 (``conv_base`` what it shares with ``conv_transpose``, the transposed one; ``conv_rows`` its im2col
 training node, ``conv1d`` and ``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and
 ``conv_transpose3d`` the 3-D ones, ``plane`` how those compute with the 2-D kernels), ``embedding``
@@ -30,12 +32,13 @@ from snack.nn.convert import densify, sparsify
 from snack.nn.embedding import SparseEmbedding
 from snack.nn.embedding_bag import SparseEmbeddingBag
 from snack.nn.layer import SparseLinear
+from snack.nn.recurrent import SparseGRU, SparseLSTM, SparseRNN
 from snack.nn.tied_head import SparseTiedHead
 
 __all__ = [
     "SparseConv1d", "SparseConv2d", "SparseConv3d", "SparseConvTranspose1d", "SparseConvTranspose2d",
-    "SparseConvTranspose3d", "SparseEmbedding", "SparseEmbeddingBag", "SparseLinear", "SparseMultiheadAttention",
-    "SparseTiedHead", "densify", "sparsify",
+    "SparseConvTranspose3d", "SparseEmbedding", "SparseEmbeddingBag", "SparseGRU", "SparseLSTM", "SparseLinear",
+    "SparseMultiheadAttention", "SparseRNN", "SparseTiedHead", "densify", "sparsify",
 ]
 
 # Pickles name the class by module: snack.nn.SparseLinear, as before nn.py became a package
@@ -51,6 +54,9 @@ SparseMultiheadAttention.__module__ = __name__
 SparseEmbedding.__module__ = __name__
 SparseEmbeddingBag.__module__ = __name__
 SparseTiedHead.__module__ = __name__
+SparseLSTM.__module__ = __name__
+SparseGRU.__module__ = __name__
+SparseRNN.__module__ = __name__
 
 # Where nn.py kept them: a pickled torch.fx GraphModule imports the functions its graph calls
 # by their module and name (the old ones from here).

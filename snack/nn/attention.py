@@ -122,6 +122,12 @@ class SparseMultiheadAttention(nn.Module):
         e = self.embed_dim
         return {"q_proj": (e, e), "k_proj": (e, self.kdim), "v_proj": (e, self.vdim), "out_proj": (e, e)}
 
+    @staticmethod
+    def dense_weights(attention: nn.MultiheadAttention) -> dict[str, tuple[Tensor, Tensor | None]]:
+        """``{projection name: (weight, bias or None)}`` of a dense attention (what ``sparsify``
+        converts and weighs for its distributions: :func:`dense_projections`)."""
+        return dense_projections(attention)
+
     def projections(self) -> dict[str, SparseLinear]:
         """``{name: layer}`` of the four projections."""
         return {name: getattr(self, name) for name in PROJECTIONS}
@@ -219,8 +225,8 @@ class SparseMultiheadAttention(nn.Module):
         """``(attn_output, attn_weights)``; arguments and shapes as for ``nn.MultiheadAttention``
         (class docstring)."""
         if tracing.fx_symbolic_tracing():
-            return self._fx_forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                    average_attn_weights, is_causal)  # fmt: skip
+            return tracing.fx_module_call(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                                          average_attn_weights, is_causal)  # fmt: skip
         if torch._C._get_tracing_state() is None:
             batched = self._check_call(query, key, value, key_padding_mask, attn_mask, is_causal)
         else:  # torch.jit.trace records sizes as tensors, and warns that these checks (which only raise) are not
@@ -269,19 +275,6 @@ class SparseMultiheadAttention(nn.Module):
             output = output.squeeze(0 if self.batch_first else 1)
             weights = None if weights is None else weights.squeeze(0)
         return output, weights
-
-    def _fx_forward(self, *arguments):
-        """What ``torch.fx.symbolic_trace`` records: one call of this module's ``forward``, reached
-        through the module (a ``get_attr`` node), as it records ``nn.MultiheadAttention`` as one
-        node; the call computes with the projections' connections of the moment."""
-        tracer = next((a.tracer for a in arguments if isinstance(a, torch.fx.Proxy)), None)
-        attention = tracing.fx_module_reference(self, tracer)
-        if attention is None:
-            raise NotImplementedError(
-                "torch.fx.symbolic_trace of a SparseMultiheadAttention itself (as the root, or given no traced input): "
-                "trace a module that holds it"
-            )
-        return tracing.fx_layer_forward(attention, *arguments)
 
     def _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:
         """Raise where a call's arguments do not fit; whether its inputs are batched."""

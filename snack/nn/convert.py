@@ -1,5 +1,5 @@
-"""``sparsify`` and ``densify``: turn a model's ``nn.Linear``, attention, convolution (and, on
-request, embedding) layers into :class:`SparseLinear` and its kin, and back."""
+"""``sparsify`` and ``densify``: turn a model's ``nn.Linear``, attention, recurrent, convolution
+(and, on request, embedding) layers into :class:`SparseLinear` and its kin, and back."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from snack.distributions import layer_sparsities
-from snack.nn.attention import PROJECTIONS, SparseMultiheadAttention, dense_projections
+from snack.nn.attention import SparseMultiheadAttention
 from snack.nn.conv import SparseConv2d
 from snack.nn.conv1d import SparseConv1d
 from snack.nn.conv3d import SparseConv3d
@@ -24,6 +24,7 @@ from snack.nn.conv_transpose3d import SparseConvTranspose3d
 from snack.nn.embedding import SparseEmbedding, unsupported_options
 from snack.nn.embedding_bag import SparseEmbeddingBag
 from snack.nn.layer import PRE_HOOKS_REASON, SparseLinear
+from snack.nn.recurrent import SparseGRU, SparseLSTM, SparseRNN
 from snack.nn.tied_head import SparseTiedHead
 from snack.topology import linear_positions
 
@@ -35,6 +36,15 @@ SPARSE_CONVOLUTIONS: dict[type[nn.Module], type[_SparseConvNd]] = {
     nn.Conv2d: SparseConv2d, nn.Conv1d: SparseConv1d, nn.Conv3d: SparseConv3d,
     nn.ConvTranspose2d: SparseConvTranspose2d, nn.ConvTranspose1d: SparseConvTranspose1d,
     nn.ConvTranspose3d: SparseConvTranspose3d,
+}
+
+
+# the modules sparsify converts whole, as modules of several sparse layers (the classes
+# themselves), and into what. Each sparse class has dense_weights(dense) ({sparse layer name:
+# (weight, bias)}, the names its layers have), from_dense(dense, sparsity={name: ...}),
+# _random_like(dense, {name: sparsity}) and to_dense_module() (densify's).
+SPARSE_COMPOSITES: dict[type[nn.Module], type[nn.Module]] = {
+    nn.MultiheadAttention: SparseMultiheadAttention, nn.LSTM: SparseLSTM, nn.GRU: SparseGRU, nn.RNN: SparseRNN,
 }
 
 
@@ -148,11 +158,12 @@ class _Tie(NamedTuple):
 
 class _Chosen(NamedTuple):
     """What ``sparsify`` converts: ``layers`` ``{first name: (module, all its names, weight (out, in),
-    bias)}``, ``attentions`` ``{first name: (nn.MultiheadAttention, all its names)}`` and ``ties``
-    ``{first name: (module, all its names, its _Tie)}``."""
+    bias)}``, ``composites`` ``{first name: (module converted whole, all its names)}`` (attentions,
+    recurrent layers: :data:`SPARSE_COMPOSITES`) and ``ties`` ``{first name: (module, all its names,
+    its _Tie)}``."""
 
     layers: dict[str, tuple[nn.Module, list[str], Tensor, Tensor | None]]
-    attentions: dict[str, tuple[nn.MultiheadAttention, list[str]]]
+    composites: dict[str, tuple[nn.Module, list[str]]]
     ties: dict[str, tuple[nn.Module, list[str], _Tie]]
 
 
@@ -201,30 +212,31 @@ def _choose_layers(
     modules: dict[int, tuple[nn.Module, list[str]]], include: list[str] | None, exclude: list[str] | None,
     embeddings: bool,
 ) -> tuple[_Chosen, _LeftDense]:
-    """The layers and attentions to convert, and the selected ones left dense."""
+    """The layers and composites (attentions, recurrent layers) to convert, and the selected ones
+    left dense."""
     chosen, left_dense = _Chosen({}, {}, {}), _LeftDense([], [], [], [], [])
     owners = _parameter_owners(modules)
     ties = _ties(modules, owners, include, exclude) if embeddings else {}
-    attention_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
+    composite_names: list[str] = []  # an attention's out_proj is part of it: converted with it or not at all
     for child, names in modules.values():
-        if any(_inside(name, attention_names) for name in names):
+        if any(_inside(name, composite_names) for name in names):
             continue
-        if isinstance(child, nn.MultiheadAttention):
-            attention_names.extend(names)
+        if isinstance(child, tuple(SPARSE_COMPOSITES)):
+            composite_names.extend(names)
         if not _selected(names, include, exclude):
             continue
         shown = names[0] or "(root)"
         if id(child) in ties:
             chosen.ties[names[0]] = (child, names, ties[id(child)])
             continue
-        if type(child) is nn.MultiheadAttention:
+        if type(child) in SPARSE_COMPOSITES:
             parameters = list(child.parameters())
         elif isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and embeddings and unsupported_options(child):
             left_dense.embedding_options.append(f"{shown} ({unsupported_options(child)})")
             continue
         elif (wb := _dense_weight_and_bias(child, embeddings)) is not None:
             parameters = [p for p in child._parameters.values() if p is not None]
-        elif isinstance(child, (nn.Linear, nn.MultiheadAttention)):
+        elif isinstance(child, (nn.Linear, *SPARSE_COMPOSITES)):
             left_dense.subclassed.append(f"{shown} ({type(child).__name__}{_subclass_hint(child)})")
             continue
         else:
@@ -239,8 +251,8 @@ def _choose_layers(
             left_dense.hooked.append(shown)
         elif held_elsewhere:
             left_dense.tied.append(f"{shown} (with {', '.join(sorted(held_elsewhere))})")
-        elif isinstance(child, nn.MultiheadAttention):
-            chosen.attentions[names[0]] = (child, names)
+        elif type(child) in SPARSE_COMPOSITES:
+            chosen.composites[names[0]] = (child, names)
         else:
             chosen.layers[names[0]] = (child, names, *wb)
     return chosen, left_dense
@@ -275,10 +287,10 @@ def _warn_about_layers_left_dense(left_dense: _LeftDense) -> None:
         )
     if subclassed:
         warnings.warn(
-            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear or nn.MultiheadAttention dense: "
-            f"{', '.join(subclassed)}. Their owners may read .weight or their forward may differ; convert one "
-            "deliberately with SparseLinear.from_dense or SparseMultiheadAttention.from_dense, or exclude it to "
-            "silence this warning.",
+            f"sparsify left {len(subclassed)} subclass(es) of nn.Linear, nn.MultiheadAttention, nn.LSTM, nn.GRU "
+            f"or nn.RNN dense: {', '.join(subclassed)}. Their owners may read .weight or their forward may differ; "
+            "convert one deliberately with the sparse class's from_dense (SparseLinear, SparseMultiheadAttention, "
+            "SparseLSTM, ...), or exclude it to silence this warning.",
             stacklevel=3,
         )
     if hooked:
@@ -310,6 +322,8 @@ def sparsify(
     """Replace the ``nn.Linear`` layers of ``module`` (and ``transformers``' ``Conv1D``) with
     :class:`SparseLinear`, its ``nn.MultiheadAttention`` modules with
     :class:`SparseMultiheadAttention` (whose four projections count as four layers for
+    ``distribution``), its ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` modules with :class:`SparseLSTM`,
+    :class:`SparseGRU` and :class:`SparseRNN` (each of their weight matrices a layer for
     ``distribution``), and its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
     ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d`` layers with
     :class:`SparseConv2d`, :class:`SparseConv1d`, :class:`SparseConv3d`,
@@ -357,9 +371,9 @@ def sparsify(
     depthwise convolution is slower than a dense one on small planes (8×8 and less) and faster on
     large ones (README, *A CIFAR MobileNetV2*). Subclasses of the converted convolutions stay
     dense, with a warning.
-    Subclasses of ``nn.Linear`` and ``nn.MultiheadAttention`` stay dense, with a warning: their
-    owners may read ``.weight`` and their ``forward`` may differ; convert one deliberately with
-    :meth:`SparseLinear.from_dense` or :meth:`SparseMultiheadAttention.from_dense`. An attention's
+    Subclasses of ``nn.Linear``, ``nn.MultiheadAttention`` and the recurrent layers stay dense,
+    with a warning: their owners may read ``.weight`` and their ``forward`` may differ; convert one
+    deliberately with the sparse class's ``from_dense`` (:meth:`SparseLinear.from_dense`, ...). An attention's
     ``out_proj`` is converted with it, never alone (the attention reads its ``.weight``). An
     ``nn.TransformerEncoder`` some of whose layers are converted gets ``use_nested_tensor = False``
     (its fast path reads the dense weights).
@@ -375,7 +389,7 @@ def sparsify(
     _warn_about_what_sparsify_missed(modules, include, exclude, chosen, embeddings)
     shapes = _weight_shapes(chosen)
     on_meta = [name for name, (_, _, weight, _) in chosen.layers.items() if weight.device.type == "meta"]
-    on_meta += [name for name, (child, _) in chosen.attentions.items() if child.out_proj.weight.device.type == "meta"]
+    on_meta += [name for name, (child, _) in chosen.composites.items() if next(child.parameters()).is_meta]
     if on_meta and init == "magnitude":
         raise NotImplementedError(
             f"sparsify: layers {', '.join(map(repr, on_meta))} are on the meta device, whose weights hold no values "
@@ -388,13 +402,14 @@ def sparsify(
         layer = _sparse_layer(child, weight, bias, per_layer[name], init)
         _keep_module_state(layer, child, [(layer.values, weight), (layer.bias, bias)])
         converted.update(dict.fromkeys(names, layer))
-    for name, (child, names) in chosen.attentions.items():
-        sparsities = {projection: per_layer[f"{name}.{projection}"] for projection in PROJECTIONS}
+    for name, (child, names) in chosen.composites.items():
+        sparse_class = SPARSE_COMPOSITES[type(child)]
+        sparsities = {part: per_layer[f"{name}.{part}"] for part in sparse_class.dense_weights(child)}
         if init == "magnitude":
-            attention = SparseMultiheadAttention.from_dense(child, sparsity=sparsities)
+            composite = sparse_class.from_dense(child, sparsity=sparsities)
         else:
-            attention = SparseMultiheadAttention._random_like(child, sparsities)
-        converted.update(dict.fromkeys(names, attention))
+            composite = sparse_class._random_like(child, sparsities)
+        converted.update(dict.fromkeys(names, composite))
     for child, names, tie in chosen.ties.values():
         embedding = converted[modules[id(tie.embedding)][1][0]]
         converted.update(dict.fromkeys(names, _sparse_head(child, embedding) if tie.head else embedding))
@@ -403,13 +418,14 @@ def sparsify(
 
 
 def _weight_shapes(chosen: _Chosen) -> dict[str, tuple[int, ...]]:
-    """``{name: weight shape}`` of every weight ``sparsify`` converts, for the distributions: an
-    attention's as its four projections ``{name}.q_proj``, ... (``nn.MultiheadAttention`` packs the
-    first three: ERK weighs each apart, as the sparse layers that hold them)."""
+    """``{name: weight shape}`` of every weight ``sparsify`` converts, for the distributions: a
+    composite's as its sparse layers, an attention's four projections ``{name}.q_proj``, ...
+    (``nn.MultiheadAttention`` packs the first three: ERK weighs each apart, as the sparse layers
+    that hold them), an LSTM's ``{name}.ih_l0``, ``{name}.hh_l0``, ..."""
     shapes = {name: tuple(weight.shape) for name, (_, _, weight, _) in chosen.layers.items()}
-    for name, (child, _) in chosen.attentions.items():
-        for projection, (weight, _) in dense_projections(child).items():
-            shapes[f"{name}.{projection}"] = tuple(weight.shape)
+    for name, (child, _) in chosen.composites.items():
+        for part, (weight, _) in SPARSE_COMPOSITES[type(child)].dense_weights(child).items():
+            shapes[f"{name}.{part}"] = tuple(weight.shape)
     return shapes
 
 
@@ -488,7 +504,7 @@ def _warn_about_what_sparsify_missed(
                     f"{', '.join(repr(n) for n in names[:3])}; patterns match whole qualified names)",
                     stacklevel=3,
                 )
-    if not chosen.layers and not chosen.attentions:
+    if not chosen.layers and not chosen.composites:
         sparse = sum(isinstance(child, SparseLinear) for child, _ in modules.values())
         already = (
             f"; its {sparse} SparseLinear layer(s) keep their sparsity (snack.dst.GradualPruning prunes further)"
@@ -496,9 +512,10 @@ def _warn_about_what_sparsify_missed(
         )
         selected = " selected by include/exclude" if include is not None or exclude is not None else ""
         kinds = (
-            "nn.Linear, nn.MultiheadAttention, 1-, 2- or 3-D (transposed) convolution, nn.Embedding or "
-            "nn.EmbeddingBag" if embeddings
-            else "nn.Linear, nn.MultiheadAttention or 1-, 2- or 3-D (transposed) convolution"
+            "nn.Linear, nn.MultiheadAttention, recurrent (nn.LSTM, nn.GRU, nn.RNN), 1-, 2- or 3-D (transposed) "
+            "convolution, nn.Embedding or nn.EmbeddingBag" if embeddings
+            else "nn.Linear, nn.MultiheadAttention, recurrent (nn.LSTM, nn.GRU, nn.RNN) or 1-, 2- or 3-D "
+            "(transposed) convolution"
         )
         warnings.warn(
             f"sparsify converted no layer: the model holds no {kinds}"
@@ -506,7 +523,7 @@ def _warn_about_what_sparsify_missed(
             stacklevel=3,
         )
     by_name = {name: child for child, all_names in modules.values() for name in all_names}
-    converted_attentions = {id(child) for child, _ in chosen.attentions.values()}
+    converted_attentions = {id(child) for child, _ in chosen.composites.values()}
     in_fast_path_layers = [
         name for name, (_, layer_names, _, _) in chosen.layers.items()
         if any(_in_dense_attention_encoder_layer(by_name[n.rpartition(".")[0]], converted_attentions)
@@ -538,8 +555,9 @@ def densify(module: nn.Module) -> nn.Module:
     ``nn.EmbeddingBag``, and
     every sparse convolution with its ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Conv3d``,
     ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` or ``nn.ConvTranspose3d``, every
-    :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``),
-    in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
+    :class:`SparseMultiheadAttention` with an ``nn.MultiheadAttention``, every
+    :class:`SparseLSTM`, :class:`SparseGRU`, :class:`SparseRNN` with an ``nn.LSTM``, ``nn.GRU``,
+    ``nn.RNN``), in place (training mode, frozen parameters and sharing kept, as :func:`sparsify` does).
 
     A layer ``sparsify`` made of ``transformers``' ``Conv1D`` (GPT-2's) becomes a ``Conv1D`` again,
     and a :class:`SparseTiedHead` an ``nn.Linear`` tied to its dense embedding, so that a
@@ -548,17 +566,17 @@ def densify(module: nn.Module) -> nn.Module:
 
     Returns ``module``, or the new dense layer when ``module`` is itself a sparse one.
     """
-    converted, attention_names, dense_of = {}, [], {}
+    converted, composite_names, dense_of = {}, [], {}
     modules = _modules_by_identity(module)
     heads = [(child, names) for child, names in modules.values() if isinstance(child, SparseTiedHead)]
     head_names = [name for _, names in heads for name in names]
     for child, names in modules.values():
-        if any(_inside(name, attention_names) for name in names):
-            continue  # a projection of an attention converted whole
+        if any(_inside(name, composite_names) for name in names):
+            continue  # a sparse layer of an attention (recurrent layer) converted whole
         # (a tied head's embedding: where the model holds it; the head becomes an nn.Linear below)
         names = [name for name in names if not any(_strictly_inside(name, head) for head in head_names)]
-        if isinstance(child, SparseMultiheadAttention):
-            attention_names.extend(names)
+        if isinstance(child, tuple(SPARSE_COMPOSITES.values())):
+            composite_names.extend(names)
             converted.update(dict.fromkeys(names, child.to_dense_module()))
         elif isinstance(child, SparseLinear):
             dense = _dense_layer(child)

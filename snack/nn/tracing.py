@@ -109,6 +109,21 @@ def fx_module_reference(module: torch.nn.Module, tracer) -> torch.fx.Proxy | Non
     return tracer.create_proxy("get_attr", path, (), {}) if path else None
 
 
+def fx_module_call(module: torch.nn.Module, *arguments):
+    """What ``torch.fx.symbolic_trace`` records for a module of several sparse layers (an
+    attention, a recurrent layer): one call of its ``forward``, reached through the module (a
+    ``get_attr`` node), as it records PyTorch's ``nn.MultiheadAttention`` and ``nn.LSTM`` as one
+    node each; the call computes with the layers' connections of the moment."""
+    tracer = next((a.tracer for a in arguments if isinstance(a, torch.fx.Proxy)), None)
+    reference = fx_module_reference(module, tracer)
+    if reference is None:
+        raise NotImplementedError(
+            f"torch.fx.symbolic_trace of a {type(module).__name__} itself (as the root, or given no traced input): "
+            "trace a module that holds it"
+        )
+    return fx_layer_forward(reference, *arguments)
+
+
 def fx_symbolic_tracing() -> bool:
     """Whether ``torch.fx.symbolic_trace`` runs (its flag is also set under ``torch.export``,
     which compiles; torch 2.13's ``is_fx_symbolic_tracing``, read directly for older versions)."""
