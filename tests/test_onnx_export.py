@@ -55,6 +55,17 @@ def _with_empty_rows_and_columns(out_features: int, in_features: int) -> snack.S
     return snack.SparseLinear.from_dense(weight, bias=torch.randn(out_features))
 
 
+class _Outputs(nn.Module):
+    """A recurrent layer's outputs alone (not its final state)."""
+
+    def __init__(self, recurrent: nn.Module):
+        super().__init__()
+        self.recurrent = recurrent
+
+    def forward(self, x):
+        return self.recurrent(x)[0]
+
+
 MODELS = {
     "mlp": lambda: (
         nn.Sequential(
@@ -82,6 +93,8 @@ MODELS = {
                                              enable_nested_tensor=False), 0.7),
         (5, 16),
     ),  # fmt: skip
+    "lstm": lambda: (_Outputs(snack.SparseLSTM(4, 6, 2, batch_first=True, bidirectional=True, proj_size=3)), (7, 4)),
+    "gru": lambda: (_Outputs(snack.SparseGRU(4, 6, batch_first=True, sparsity=0.6)), (7, 4)),  # the steps unrolled
     "conv_transpose_without_connections": lambda: (
         nn.Sequential(_without_connections(snack.SparseConvTranspose2d(3, 2, 3, padding=1)), nn.ReLU()), (3, 5, 4),
     ),

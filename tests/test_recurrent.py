@@ -489,3 +489,20 @@ def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     torch.testing.assert_close(graph(ids), model(ids))
     with pytest.raises(NotImplementedError, match="symbolic_trace of a SparseLSTM itself"):
         torch.fx.symbolic_trace(model.recurrent)
+
+
+def test_per_sample_gradients_with_torch_func():
+    torch.manual_seed(15)
+    model = _Tagger(SparseGRU(I, H, 2, batch_first=True, sparsity=0.5))
+    ids = torch.randint(0, 20, (N, T))
+    parameters = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(parameters, sample):
+        return torch.func.functional_call(model, parameters, (sample[None],)).square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(parameters, ids)
+    for i in range(N):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), ids[i]).backward()
+        for name in ("recurrent.hh_l1.values", "recurrent.ih_l0.values", "recurrent.hh_l0.bias"):
+            torch.testing.assert_close(per_sample[name][i], dict(model.named_parameters())[name].grad)
