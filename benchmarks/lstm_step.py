@@ -1,6 +1,6 @@
 """A 2-layer LSTM sparsified by ``snack.sparsify`` (``SparseLSTM``) against PyTorch's dense ``nn.LSTM``.
 
-Usage: ``.venv/bin/python benchmarks/lstm_step.py`` (about two minutes); writes
+Usage: ``.venv/bin/python benchmarks/lstm_step.py`` (under a minute); writes
 ``benchmarks/lstm_step.txt``, which the README quotes.
 
 The recurrent network of Selfish-RNN's Penn Treebank runs (Liu et al., 2021, dynamic sparse
