@@ -407,12 +407,17 @@ def test_a_meta_model_sparsified_at_random_materialises_and_trains():
     with pytest.raises(NotImplementedError, match="are on the meta device"):
         snack.sparsify(model, 0.8)
     snack.sparsify(model, 0.8, init="random")
-    model.to_empty(device="cpu")
-    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    materialise_and_check_one_step(model, torch.randn(2, 5, 16), lr=0.05)
     attention = model.layers[0].self_attn
     assert attention.q_proj.row.device.type == "cpu" and attention.q_proj.nnz == round(0.2 * 16 * 16)
-    x = torch.randn(2, 5, 16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def materialise_and_check_one_step(model: nn.Module, x: torch.Tensor, lr: float) -> None:
+    """Materialise a model built on the meta device (``to_empty`` on the CPU, every module's
+    ``reset_parameters``) and check that one SGD step on ``model(x)``'s mean square lowers it."""
+    model.to_empty(device="cpu")
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loss = model(x).square().mean()
     loss.backward()
     optimizer.step()
@@ -480,9 +485,18 @@ class _SelfAttention(nn.Module):
 def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     model = _SelfAttention().eval()
     x, other = torch.randn(N, L, E), torch.randn(N + 2, L + 1, E)
-    exported = torch.export.export(
-        model, (x,), dynamic_shapes=({0: torch.export.Dim("batch"), 1: torch.export.Dim("length")},)
-    ).module()
+    exported, _, _ = export_trace_and_fx(model, x, {0: torch.export.Dim("batch"), 1: torch.export.Dim("length")})
+    torch.testing.assert_close(exported(other), model(other))
+    with pytest.raises(NotImplementedError, match="symbolic_trace of a SparseMultiheadAttention itself"):
+        torch.fx.symbolic_trace(model.attention)
+
+
+def export_trace_and_fx(model: nn.Module, x: torch.Tensor, dynamic: dict) -> tuple:
+    """``(exported, traced, fx graph)`` programs of ``model`` (whose forward returns its sparse
+    composite's first output) on ``x``, ``dynamic`` the export's dynamic dimensions of ``x``;
+    checks that each computes what ``model`` does on ``x``, that ``jit.trace`` warns nothing, and
+    that FX records the composite as one call."""
+    exported = torch.export.export(model, (x,), dynamic_shapes=(dynamic,)).module()
     with warnings.catch_warnings():
         warnings.simplefilter("error", torch.jit.TracerWarning)  # the checks say nothing into the trace
         warnings.filterwarnings("ignore", "`torch.jit.trace", DeprecationWarning)
@@ -491,9 +505,7 @@ def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     assert [n.target.__name__ for n in graph.graph.nodes if n.op == "call_function"] == ["fx_layer_forward", "getitem"]
     for program in (exported, traced, graph):
         torch.testing.assert_close(program(x), model(x))
-    torch.testing.assert_close(exported(other), model(other))
-    with pytest.raises(NotImplementedError, match="symbolic_trace of a SparseMultiheadAttention itself"):
-        torch.fx.symbolic_trace(model.attention)
+    return exported, traced, graph
 
 
 def test_an_averaged_copy_follows_the_projections_rewires():

@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import snack
 from snack import SparseGRU, SparseLinear, SparseLSTM, SparseRNN
 from snack.dst.capture import GradientCapture
+from tests.test_attention import export_trace_and_fx, materialise_and_check_one_step
 from tests.test_truly_sparse import LargestTensorMode
 
 T, N, I, H = 5, 3, 4, 6  # steps, sequences, input_size, hidden_size of the small cases
@@ -360,16 +361,9 @@ def test_a_meta_model_sparsified_at_random_materialises_and_trains():
     with pytest.raises(NotImplementedError, match="are on the meta device"):
         snack.sparsify(model, 0.8)
     snack.sparsify(model, 0.8, init="random")
-    model.to_empty(device="cpu")
-    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    materialise_and_check_one_step(model, torch.randint(0, 20, (N, T)), lr=0.1)
     layer = model.recurrent.hh_l1
     assert layer.row.device.type == "cpu" and layer.nnz == round(0.2 * 4 * H * H)
-    ids = torch.randint(0, 20, (N, T))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = model(ids).square().mean()
-    loss.backward()
-    optimizer.step()
-    assert model(ids).square().mean() < loss
 
 
 def test_state_dict_deepcopy_and_pickle_carry_the_topologies():
@@ -474,15 +468,7 @@ def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     torch.manual_seed(14)
     model = _Tagger(SparseLSTM(I, H, 2, batch_first=True, sparsity=0.5)).eval()
     ids, other = torch.randint(0, 20, (N, T)), torch.randint(0, 20, (N + 2, T))
-    exported = torch.export.export(model, (ids,), dynamic_shapes=({0: torch.export.Dim("batch")},)).module()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", torch.jit.TracerWarning)  # the checks say nothing into the trace
-        warnings.filterwarnings("ignore", "`torch.jit.trace", DeprecationWarning)
-        traced = torch.jit.trace(model, (ids,))
-    graph = torch.fx.symbolic_trace(model)
-    assert [n.target.__name__ for n in graph.graph.nodes if n.op == "call_function"] == ["fx_layer_forward", "getitem"]
-    for program in (exported, traced, graph):
-        torch.testing.assert_close(program(ids), model(ids))
+    exported, _, graph = export_trace_and_fx(model, ids, {0: torch.export.Dim("batch")})
     torch.testing.assert_close(exported(other), model(other))
     layer, rewired = model.recurrent.hh_l1, SparseLinear(H, 4 * H, sparsity=0.3)
     layer.set_topology(rewired.row, rewired.col, rewired.values.detach())
