@@ -485,16 +485,16 @@ class _SelfAttention(nn.Module):
 def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     model = _SelfAttention().eval()
     x, other = torch.randn(N, L, E), torch.randn(N + 2, L + 1, E)
-    exported, _, _ = export_trace_and_fx(model, x, {0: torch.export.Dim("batch"), 1: torch.export.Dim("length")})
+    exported, _ = export_trace_and_fx(model, x, {0: torch.export.Dim("batch"), 1: torch.export.Dim("length")})
     torch.testing.assert_close(exported(other), model(other))
     with pytest.raises(NotImplementedError, match="symbolic_trace of a SparseMultiheadAttention itself"):
         torch.fx.symbolic_trace(model.attention)
 
 
 def export_trace_and_fx(model: nn.Module, x: torch.Tensor, dynamic: dict) -> tuple:
-    """``(exported, traced, fx graph)`` programs of ``model`` (whose forward returns its sparse
+    """The exported and FX programs of ``model`` (whose forward returns its sparse
     composite's first output) on ``x``, ``dynamic`` the export's dynamic dimensions of ``x``;
-    checks that each computes what ``model`` does on ``x``, that ``jit.trace`` warns nothing, and
+    checks that they and a ``jit.trace`` (which warns nothing) compute what ``model`` does on ``x``, and
     that FX records the composite as one call."""
     exported = torch.export.export(model, (x,), dynamic_shapes=(dynamic,)).module()
     with warnings.catch_warnings():
@@ -505,7 +505,7 @@ def export_trace_and_fx(model: nn.Module, x: torch.Tensor, dynamic: dict) -> tup
     assert [n.target.__name__ for n in graph.graph.nodes if n.op == "call_function"] == ["fx_layer_forward", "getitem"]
     for program in (exported, traced, graph):
         torch.testing.assert_close(program(x), model(x))
-    return exported, traced, graph
+    return exported, graph
 
 
 def test_an_averaged_copy_follows_the_projections_rewires():

@@ -468,7 +468,7 @@ def test_programs_made_by_export_trace_and_fx_compute_what_the_module_does():
     torch.manual_seed(14)
     model = _Tagger(SparseLSTM(I, H, 2, batch_first=True, sparsity=0.5)).eval()
     ids, other = torch.randint(0, 20, (N, T)), torch.randint(0, 20, (N + 2, T))
-    exported, _, graph = export_trace_and_fx(model, ids, {0: torch.export.Dim("batch")})
+    exported, graph = export_trace_and_fx(model, ids, {0: torch.export.Dim("batch")})
     torch.testing.assert_close(exported(other), model(other))
     layer, rewired = model.recurrent.hh_l1, SparseLinear(H, 4 * H, sparsity=0.3)
     layer.set_topology(rewired.row, rewired.col, rewired.values.detach())
