@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 import snack
 
-__all__ = ["MaskedConv2d", "MaskedLinear", "dense_plus_mask", "masked_attention"]
+__all__ = ["MaskedConv2d", "MaskedLinear", "dense_plus_mask", "masked_attention", "masked_recurrent"]
 
 
 class MaskedLinear(nn.Module):
@@ -56,7 +56,7 @@ class MaskedConv2d(nn.Conv2d):
 
 class _TimesMask(nn.Module):
     """A parametrization: the weight times a fixed 0/1 mask at every access (Dense+Mask for
-    ``nn.MultiheadAttention``, which reads its weights itself)."""
+    ``nn.MultiheadAttention`` and the recurrent layers, which read their weights themselves)."""
 
     def __init__(self, mask: Tensor):
         super().__init__()
@@ -80,19 +80,34 @@ def masked_attention(sparse: snack.SparseMultiheadAttention) -> nn.MultiheadAtte
     return dense
 
 
+def masked_recurrent(sparse: snack.SparseLSTM | snack.SparseGRU | snack.SparseRNN) -> nn.RNNBase:
+    """The ``nn.LSTM`` (``nn.GRU``, ``nn.RNN``) ``sparse`` replaces, with its weights, each weight
+    matrix multiplied by its layer's fixed 0/1 mask in every forward (``torch.nn.utils.parametrize``).
+    It keeps torch's fused recurrent kernel: ``nn.RNNBase`` re-reads its weights when they are new
+    tensors, as each masked access makes."""
+    dense = sparse.to_dense_module()
+    for name, layer in sparse.sparse_layers().items():
+        mask = _TimesMask(_mask(layer).to(layer.values.dtype))
+        nn.utils.parametrize.register_parametrization(dense, f"weight_{name}", mask)
+    return dense
+
+
 def dense_plus_mask(sparse_model: nn.Module) -> nn.Module:
-    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d, SparseMultiheadAttention)
-    modules are MaskedLinear (MaskedConv2d, :func:`masked_attention`) with the same topology (as
-    the mask) and weights (builds dense matrices: it is the baseline)."""
+    """A copy of ``sparse_model`` whose SparseLinear (SparseConv2d, SparseMultiheadAttention,
+    SparseLSTM/GRU/RNN) modules are MaskedLinear (MaskedConv2d, :func:`masked_attention`,
+    :func:`masked_recurrent`) with the same topology (as the mask) and weights (builds dense
+    matrices: it is the baseline)."""
     if any(isinstance(m, (snack.SparseConvTranspose2d, snack.SparseConvTranspose3d)) for m in sparse_model.modules()):
         raise TypeError("dense_plus_mask: transposed convolutions have no masked twin (snack train's models hold none)")
     masked = copy.deepcopy(sparse_model)
-    replaced: list[str] = []  # modules inside these (an attention's projections) went with them
+    replaced: list[str] = []  # modules inside these (an attention's projections, an LSTM's) went with them
     for name, module in list(masked.named_modules()):
         if any(name.startswith(f"{r}.") for r in replaced):
             continue
         if isinstance(module, snack.SparseMultiheadAttention):
             twin = masked_attention(module)
+        elif isinstance(module, (snack.SparseLSTM, snack.SparseGRU, snack.SparseRNN)):
+            twin = masked_recurrent(module)
         elif isinstance(module, snack.SparseConv2d):
             twin = MaskedConv2d(module)
         elif isinstance(module, snack.SparseLinear):

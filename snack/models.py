@@ -1,11 +1,11 @@
 """The models ``snack train`` trains, dense and sparse: an MLP, a CNN, a small vision transformer
-(on digits) and a small character-level GPT (on Shakespeare).
+(on digits), and a small character-level GPT and LSTM (on Shakespeare).
 
 The sparse ones hold the layers ``snack.sparsify(..., distribution=..., init="random")`` makes:
-every linear and convolution layer and attention projection, at per-layer sparsities of the
-distribution at the overall sparsity, with random topologies. Embeddings stay dense (the GPT's
-tables of 84 characters and 64 positions are small next to its blocks; ``sparsify`` converts
-embeddings only when asked).
+every linear and convolution layer, attention projection and recurrent weight matrix, at
+per-layer sparsities of the distribution at the overall sparsity, with random topologies.
+Embeddings stay dense (the tables of 84 characters and 64 positions are small next to the
+blocks; ``sparsify`` converts embeddings only when asked).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import snack
 from snack.distributions import layer_sparsities
 
 __all__ = [
-    "CharTransformer", "PatchTransformer", "TransformerBlock", "cnn", "mlp", "sparse_char_transformer", "sparse_cnn",
-    "sparse_mlp", "sparse_vit",
+    "CharLSTM", "CharTransformer", "NextCharacterModel", "PatchTransformer", "TransformerBlock", "cnn", "mlp",
+    "sparse_char_lstm", "sparse_char_transformer", "sparse_cnn", "sparse_mlp", "sparse_vit",
 ]
 
 # --model vit: the image is cut into PATCHES_PER_SIDE² patches (tokens), run through VIT_BLOCKS
@@ -28,6 +28,9 @@ PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO = 4, 2, 4, 2
 # --model gpt: GPT_BLOCKS causal pre-norm blocks of GPT_HEADS-head attention and an MLP of
 # GPT_MLP_RATIO × the width (GPT-2's ratio)
 GPT_BLOCKS, GPT_HEADS, GPT_MLP_RATIO = 2, 4, 4
+
+# --model lstm: LSTM_LAYERS stacked LSTM layers of the width (Selfish-RNN's language models have 2)
+LSTM_LAYERS = 2
 
 
 def mlp(in_features: int, width: int, classes: int = 10) -> nn.Sequential:
@@ -124,7 +127,44 @@ def sparse_vit(side: int, width: int, sparsity: float, distribution: str, device
     return _sparsified(PatchTransformer(side, width, classes), sparsity, distribution, device)
 
 
-class CharTransformer(nn.Module):
+class NextCharacterModel(nn.Module):
+    """What the character-level language models share: ``(N, T)`` character ids → logits
+    ``(N, T, vocabulary)`` of the character after each, trained on sequences of ``context``
+    characters, and sampling from them (:meth:`generate`). Subclasses set ``context`` and
+    ``embed`` (the characters' ``nn.Embedding``) and define ``forward``."""
+
+    context: int
+    embed: nn.Embedding
+
+    def _check_ids(self, ids: Tensor, most: int | None) -> None:
+        """Raise unless ``ids`` is ``(N, T)``, with ``T <= most`` unless ``most`` is ``None``."""
+        if ids.dim() != 2 or (most is not None and ids.shape[1] > most):
+            longest = "" if most is None else f" with T <= {most}"
+            raise ValueError(
+                f"{type(self).__name__}: expected (N, T) character ids{longest}, got shape {tuple(ids.shape)}"
+            )
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, count: int, generator: torch.Generator | None = None) -> Tensor:
+        """``count`` characters sampled one at a time after ``prompt`` (``(P,)`` ids, P >= 1), each
+        from the softmax of the logits given the last ``context`` characters (as in training);
+        ``(count,)`` ids. ``generator`` (on the model's device) makes the draw repeatable."""
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError(
+                f"{type(self).__name__}.generate: prompt must be 1-D and non-empty, got shape {tuple(prompt.shape)}"
+            )
+        was_training = self.training
+        self.eval()
+        ids = prompt.to(self.embed.weight.device)
+        for _ in range(count):
+            logits = self(ids[-self.context :].unsqueeze(0))[0, -1]
+            following = torch.multinomial(logits.float().softmax(-1), 1, generator=generator)
+            ids = torch.cat([ids, following])
+        self.train(was_training)
+        return ids[prompt.numel() :]
+
+
+class CharTransformer(NextCharacterModel):
     """A small GPT over characters: ``(N, T)`` character ids (``T <= context``) → logits
     ``(N, T, vocabulary)`` of the character after each. A learned embedding of each character
     plus one of its position, ``GPT_BLOCKS`` causal pre-norm blocks (:class:`TransformerBlock`),
@@ -142,31 +182,27 @@ class CharTransformer(nn.Module):
         self.head = nn.Linear(width, vocabulary)
 
     def forward(self, ids: Tensor) -> Tensor:
-        if ids.dim() != 2 or ids.shape[1] > self.context:
-            raise ValueError(
-                f"CharTransformer: expected (N, T) character ids with T <= {self.context}, got shape {tuple(ids.shape)}"
-            )
+        self._check_ids(ids, self.context)
         tokens = self.embed(ids) + self.position[: ids.shape[1]]
         return self.head(self.norm(self.blocks(tokens)))
 
-    @torch.no_grad()
-    def generate(self, prompt: Tensor, count: int, generator: torch.Generator | None = None) -> Tensor:
-        """``count`` characters sampled one at a time after ``prompt`` (``(P,)`` ids, P >= 1), each
-        from the softmax of the logits given the last ``context`` characters; ``(count,)`` ids.
-        ``generator`` (on the model's device) makes the draw repeatable."""
-        if prompt.dim() != 1 or prompt.numel() == 0:
-            raise ValueError(
-                f"CharTransformer.generate: prompt must be 1-D and non-empty, got shape {tuple(prompt.shape)}"
-            )
-        was_training = self.training
-        self.eval()
-        ids = prompt.to(self.position.device)
-        for _ in range(count):
-            logits = self(ids[-self.context :].unsqueeze(0))[0, -1]
-            following = torch.multinomial(logits.float().softmax(-1), 1, generator=generator)
-            ids = torch.cat([ids, following])
-        self.train(was_training)
-        return ids[prompt.numel() :]
+
+class CharLSTM(NextCharacterModel):
+    """A character-level LSTM language model: ``(N, T)`` character ids → logits ``(N, T,
+    vocabulary)`` of the character after each. A learned embedding of each character (``width``),
+    ``LSTM_LAYERS`` stacked ``nn.LSTM`` layers of ``width`` (from a zero state) and a linear head.
+    ``context``: the length of the training sequences, which :meth:`generate` reads back."""
+
+    def __init__(self, vocabulary: int, width: int, context: int):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(vocabulary, width)
+        self.lstm = nn.LSTM(width, width, LSTM_LAYERS, batch_first=True)
+        self.head = nn.Linear(width, vocabulary)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        self._check_ids(ids, None)
+        return self.head(self.lstm(self.embed(ids))[0])
 
 
 def sparse_char_transformer(
@@ -176,6 +212,13 @@ def sparse_char_transformer(
     overall ``sparsity`` (``distribution``'s per-layer sparsities, random topologies); the
     embeddings stay dense."""
     return _sparsified(CharTransformer(vocabulary, width, context), sparsity, distribution, device)
+
+
+def sparse_char_lstm(vocabulary: int, width: int, context: int, sparsity: float, distribution: str, device) -> CharLSTM:
+    """:class:`CharLSTM` with its LSTM's weight matrices (each layer's input-to-hidden and
+    hidden-to-hidden: :class:`snack.SparseLSTM`) and its head sparsified at overall ``sparsity``
+    (``distribution``'s per-layer sparsities, random topologies); the embedding stays dense."""
+    return _sparsified(CharLSTM(vocabulary, width, context), sparsity, distribution, device)
 
 
 def _sparsified(model: nn.Module, sparsity: float, distribution: str, device) -> nn.Module:

@@ -1,5 +1,5 @@
 """``snack train``: train a sparse MLP, CNN or ViT on real MNIST digits, or a small character-level
-GPT on Shakespeare, with dynamic sparse training.
+GPT or LSTM on Shakespeare, with dynamic sparse training.
 
 The models (:mod:`snack.models`): ``--model mlp`` (the default) is ``in → width → width → 10``
 with ReLU, built sparse (the layers ``snack.sparsify(..., distribution=..., init="random")``
@@ -7,19 +7,21 @@ would make, without the dense model); ``--model cnn`` is two 3×3 convolutions (
 channels, each followed by ReLU and 2×2 max pooling) and ``→ width → 10``; ``--model vit`` a
 small vision transformer (16 patches, two pre-norm blocks of attention and MLP, ``width`` wide);
 ``--model gpt`` two causal blocks over 64 characters of Shakespeare's plays, predicting each
-next character. The transformers' attention projections (``SparseMultiheadAttention``) are
-sparse too; the CNN and the transformers are built dense and sparsified that way. Each is
-trained with AdamW (cosine learning-rate decay) while RigL or SET (or nothing, ``--algorithm
-static``) rewires it, or GraNet prunes it from ``--initial-sparsity`` to ``--sparsity`` while
-regrowing as RigL does, or MEST grows at random up to ``--extra-fraction`` above each layer's
-connections between updates. ``--compare`` trains the same architecture dense (``nn.Linear``,
-``nn.Conv2d``, ``nn.MultiheadAttention``) and as Dense+Mask (:mod:`snack.masked`: a dense weight
-times a fixed 0/1 mask with the same per-layer densities and the same initial weights as the
-sparse model) with identical data order, and prints a side-by-side table. ``--ema DECAY`` also
-keeps a moving average of each model's weights (``snack.AveragedModel``, which follows the
-rewires) and reports its held-out accuracy. The models train in lockstep on the same batches, so
-timing noise from a shared machine hits all of them alike. ``--device cuda`` trains on a GPU
-(the Triton kernels); each timed step then waits for the GPU to finish.
+next character, and ``--model lstm`` a two-layer LSTM doing the same. The transformers'
+attention projections (``SparseMultiheadAttention``) and the LSTM's weight matrices
+(``SparseLSTM``) are sparse too; the CNN, the transformers and the LSTM are built dense and
+sparsified that way. Each is trained with AdamW (cosine learning-rate decay) while RigL or SET
+(or nothing, ``--algorithm static``) rewires it, or GraNet prunes it from ``--initial-sparsity``
+to ``--sparsity`` while regrowing as RigL does, or MEST grows at random up to
+``--extra-fraction`` above each layer's connections between updates. ``--compare`` trains the
+same architecture dense (``nn.Linear``, ``nn.Conv2d``, ``nn.MultiheadAttention``, ``nn.LSTM``)
+and as Dense+Mask (:mod:`snack.masked`: a dense weight times a fixed 0/1 mask with the same
+per-layer densities and the same initial weights as the sparse model) with identical data order,
+and prints a side-by-side table. ``--ema DECAY`` also keeps a moving average of each model's
+weights (``snack.AveragedModel``, which follows the rewires) and reports its held-out accuracy.
+The models train in lockstep on the same batches, so timing noise from a shared machine hits all
+of them alike. ``--device cuda`` trains on a GPU (the Triton kernels); each timed step then
+waits for the GPU to finish.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ from snack.cli import device_argument, positive_int, sparsity_argument, unavaila
 from snack.data import Digits, TextSequences, load_digits, load_shakespeare
 from snack.masked import dense_plus_mask
 from snack.models import (
-    GPT_BLOCKS, GPT_HEADS, GPT_MLP_RATIO, PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO, CharTransformer,
-    PatchTransformer, cnn, mlp, sparse_char_transformer, sparse_cnn, sparse_mlp, sparse_vit,
+    GPT_BLOCKS, GPT_HEADS, GPT_MLP_RATIO, LSTM_LAYERS, PATCHES_PER_SIDE, VIT_BLOCKS, VIT_HEADS, VIT_MLP_RATIO,
+    CharLSTM, CharTransformer, NextCharacterModel, PatchTransformer, cnn, mlp, sparse_char_lstm,
+    sparse_char_transformer, sparse_cnn, sparse_mlp, sparse_vit,
 )  # fmt: skip
 
 __all__ = ["Result", "add_arguments", "evaluate", "run", "train_models"]
@@ -60,20 +63,20 @@ GRANET_INITIAL_SPARSITY = 0.5
 MEST_EXTRA_FRACTION = 0.5
 
 # hidden width of the fully connected layers (the transformers' token width) when --width is not given
-DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128, "gpt": 256}
+DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128, "gpt": 256, "lstm": 256}
 
-# --model gpt: characters per sequence (the model's context)
-GPT_CONTEXT = 64
+# the models trained on Shakespeare, and the characters per sequence (the transformer's context)
+TEXT_MODELS, TEXT_CONTEXT = ("gpt", "lstm"), 64
 
 # The options whose defaults depend on the data: on digits 10 passes over every training example in
-# batches of 64 at a peak learning rate of 2e-3; on Shakespeare (--model gpt) one pass over the
+# batches of 64 at a peak learning rate of 2e-3; on Shakespeare (--model gpt, lstm) one pass over the
 # first 20,000 sequences (1.28 M characters) in batches of 32 sequences (2,048 characters), 625
 # steps, the learning rate rising over 50 steps to 5e-3 (at 1e-2 the dense model trained worse than
 # the sparse ones, at 2e-3 the sparse ones worse than dense; README, `snack train`)
 DIGITS_DEFAULTS = {"epochs": 10, "limit": None, "batch_size": 64, "lr": 2e-3, "warmup": 0}
-GPT_DEFAULTS = {"epochs": 1, "limit": 20_000, "batch_size": 32, "lr": 5e-3, "warmup": 50}
+TEXT_DEFAULTS = {"epochs": 1, "limit": 20_000, "batch_size": 32, "lr": 5e-3, "warmup": 50}
 
-# --model gpt: characters sampled from the trained sparse model, after a prompt of held-out text
+# --model gpt, lstm: characters sampled from the trained sparse model, after a prompt of held-out text
 SAMPLE_PROMPT, SAMPLE_LENGTH = 32, 200
 
 
@@ -81,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=tuple(DEFAULT_WIDTH), default="mlp",
                         help="mlp: in-width-width-10; cnn: two 3x3 convolutions (32, 64 channels), width, 10; "
                              "vit: 16 patches, two transformer blocks of the width, 4 heads; gpt: a character-level "
-                             "language model on Shakespeare, two causal transformer blocks (default: mlp)")
+                             "language model on Shakespeare, two causal transformer blocks; lstm: the same task, two "
+                             "LSTM layers of the width (default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
                         help="overall sparsity of the linear and convolution layers (default: 0.9); granet's final one")
@@ -90,17 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default: {GRANET_INITIAL_SPARSITY})")
     parser.add_argument("--distribution", choices=("erk", "uniform"), default="erk", help="layer-wise sparsity (default: erk)")
     parser.add_argument("--epochs", type=positive_int, default=None,
-                        help="passes over the training set (default: 10; gpt: 1)")
+                        help="passes over the training set (default: 10; gpt, lstm: 1)")
     parser.add_argument("--width", type=positive_int, default=None,
                         help="hidden width of the fully connected layers, the transformers' token width (default: "
-                             "1024 for mlp, 256 for cnn, 128 for vit, 256 for gpt)")
+                             "1024 for mlp, 256 for cnn, 128 for vit, 256 for gpt and lstm)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="training batch size (default: 64; gpt: 32 sequences of 64 characters)")
+                        help="training batch size (default: 64; gpt, lstm: 32 sequences of 64 characters)")
     parser.add_argument("--lr", type=_learning_rate, default=None,
-                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3; gpt: 5e-3)")
+                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3; gpt, lstm: 5e-3)")
     parser.add_argument("--warmup", type=whole_number(0), default=None,
                         help="steps over which the learning rate rises linearly to its peak before the decay "
-                             "(default: 0; gpt: 50)")
+                             "(default: 0; gpt, lstm: 50)")
     parser.add_argument("--drop-fraction", type=_fraction, default=None,
                         help="fraction of each layer's connections replaced per update (default: 0.3; mest: 0, "
                              "its mutation below the target)")
@@ -111,8 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=whole_number(0, 2**63), default=0,
                         help="seed of init, data order and DST (default: 0)")
     parser.add_argument("--limit", type=positive_int, default=None,
-                        help="use only this many training examples (default: all; gpt: 20000 sequences, 1.28 M "
-                             "characters)")
+                        help="use only this many training examples (default: all; gpt, lstm: 20000 sequences, "
+                             "1.28 M characters)")
     parser.add_argument("--ema", type=_decay, default=None, metavar="DECAY",
                         help="also keep an exponential moving average of the weights with this decay (e.g. 0.999; "
                              "snack.AveragedModel, which follows every rewire) and report its held-out accuracy")
@@ -362,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     starting = _starting_sparsity(args)
     if starting is None:
         return 2
-    for option, default in (GPT_DEFAULTS if args.model == "gpt" else DIGITS_DEFAULTS).items():
+    for option, default in (TEXT_DEFAULTS if args.model in TEXT_MODELS else DIGITS_DEFAULTS).items():
         if getattr(args, option) is None:
             setattr(args, option, default)
     data = _load_data(args)
@@ -408,8 +412,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_data(args: argparse.Namespace) -> Digits | TextSequences:
     """The data ``--model`` trains on, on ``--device``, after saying what it is."""
-    if args.model == "gpt":
-        data = load_shakespeare(GPT_CONTEXT, args.limit)
+    if args.model in TEXT_MODELS:
+        data = load_shakespeare(TEXT_CONTEXT, args.limit)
         print(f"data: {data.source}; {len(data.y_train)} train / {len(data.y_test)} held-out sequences")
     else:
         data = load_digits(args.limit)
@@ -427,10 +431,16 @@ def _build_models(
     width = args.width or DEFAULT_WIDTH[args.model]
     if args.model == "gpt":
         vocabulary = len(data.vocabulary)
-        sparse = sparse_char_transformer(vocabulary, width, GPT_CONTEXT, sparsity, args.distribution, args.device)
-        description = (f"GPT over {GPT_CONTEXT} characters ({vocabulary}) → {GPT_BLOCKS} causal blocks (width "
+        sparse = sparse_char_transformer(vocabulary, width, TEXT_CONTEXT, sparsity, args.distribution, args.device)
+        description = (f"GPT over {TEXT_CONTEXT} characters ({vocabulary}) → {GPT_BLOCKS} causal blocks (width "
                        f"{width}, {GPT_HEADS} heads, MLP {GPT_MLP_RATIO * width}) → {vocabulary}")  # fmt: skip
-        return sparse, description, lambda: CharTransformer(vocabulary, width, GPT_CONTEXT)
+        return sparse, description, lambda: CharTransformer(vocabulary, width, TEXT_CONTEXT)
+    if args.model == "lstm":
+        vocabulary = len(data.vocabulary)
+        sparse = sparse_char_lstm(vocabulary, width, TEXT_CONTEXT, sparsity, args.distribution, args.device)
+        description = (f"LSTM over {TEXT_CONTEXT} characters ({vocabulary}) → {LSTM_LAYERS} LSTM layers (width "
+                       f"{width}) → {vocabulary}")  # fmt: skip
+        return sparse, description, lambda: CharLSTM(vocabulary, width, TEXT_CONTEXT)
     in_features = data.x_train.shape[1]
     side = math.isqrt(in_features)  # the digits are square
     if args.model == "mlp":
@@ -451,7 +461,7 @@ def _bits(nats: float) -> float:
     return nats / math.log(2)
 
 
-def _print_sample(label: str, model: CharTransformer, data: TextSequences, args: argparse.Namespace) -> None:
+def _print_sample(label: str, model: NextCharacterModel, data: TextSequences, args: argparse.Namespace) -> None:
     """``SAMPLE_LENGTH`` characters the trained model writes after the start of the held-out text
     (drawn from its predicted distribution with ``--seed``)."""
     prompt = data.x_test[0, :SAMPLE_PROMPT]

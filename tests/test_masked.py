@@ -6,7 +6,7 @@ import torch
 
 import snack
 from snack.masked import MaskedConv2d, MaskedLinear, dense_plus_mask
-from snack.models import PatchTransformer, sparse_char_transformer, sparse_cnn, sparse_vit
+from snack.models import PatchTransformer, sparse_char_lstm, sparse_char_transformer, sparse_cnn, sparse_vit
 
 
 def _same_outputs_and_input_gradients_then_backward(sparse, masked, in_features: int) -> None:
@@ -81,3 +81,47 @@ def test_dense_plus_mask_computes_what_the_sparse_character_model_does():
         assert (grad[mask == 0] == 0).all()
         torch.testing.assert_close(grad[layer.row.long(), layer.col.long()], layer.values.grad)
     torch.testing.assert_close(masked.embed.weight.grad, sparse.embed.weight.grad)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_dense_plus_mask_of_a_recurrent_layer_is_the_torch_layer_with_masked_weights(kind):
+    torch.manual_seed(0)
+    dense_class = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[kind]
+    sparse = snack.sparsify(torch.nn.Sequential(dense_class(6, 5, 2, bidirectional=True)).double(), 0.7)
+    masked = dense_plus_mask(sparse)
+    rnn, sparse_rnn = masked[0], sparse[0]
+    assert type(rnn).__name__ == f"Parametrized{dense_class.__name__}"  # torch's layer and its fused kernel
+    x = torch.randn(4, 3, 6, dtype=torch.float64, requires_grad=True)
+    (out_sparse, _), (out_masked, _) = sparse_rnn(x), rnn(x)
+    torch.testing.assert_close(out_masked, out_sparse)
+    g = torch.randn_like(out_sparse)
+    (dx_sparse,) = torch.autograd.grad(out_sparse, x, g, retain_graph=True)
+    (dx_masked,) = torch.autograd.grad(out_masked, x, g, retain_graph=True)
+    torch.testing.assert_close(dx_masked, dx_sparse)
+    out_sparse.backward(g)
+    out_masked.backward(g)
+    # each matrix trains the sparse layer's connections only, with its gradients
+    for name, layer in sparse_rnn.sparse_layers().items():
+        weight = getattr(rnn.parametrizations, f"weight_{name}")
+        grad, mask = weight.original.grad, weight[0].mask
+        assert int(mask.sum()) == layer.nnz and (grad[mask == 0] == 0).all()
+        torch.testing.assert_close(grad[layer.row.long(), layer.col.long()], layer.values.grad)
+        torch.testing.assert_close(getattr(rnn, f"bias_{name}").grad, layer.bias.grad)
+
+
+def test_dense_plus_mask_computes_what_the_sparse_character_lstm_does():
+    torch.manual_seed(0)
+    sparse = sparse_char_lstm(11, 16, 8, 0.8, "erk", "cpu").double()
+    masked = dense_plus_mask(sparse)
+    assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
+    assert isinstance(masked.lstm, torch.nn.LSTM) and isinstance(masked.head, MaskedLinear)
+    ids = torch.randint(0, 11, (3, 8))
+    logits_sparse, logits_masked = sparse(ids), masked(ids)
+    torch.testing.assert_close(logits_masked, logits_sparse)
+    g = torch.randn_like(logits_sparse)
+    logits_sparse.backward(g)
+    logits_masked.backward(g)
+    torch.testing.assert_close(masked.embed.weight.grad, sparse.embed.weight.grad)
+    hh = masked.lstm.parametrizations.weight_hh_l1.original.grad
+    torch.testing.assert_close(hh[sparse.lstm.hh_l1.row.long(), sparse.lstm.hh_l1.col.long()],
+                               sparse.lstm.hh_l1.values.grad)  # fmt: skip

@@ -1,11 +1,11 @@
 """The models snack train trains (snack.models): the character-level GPT's causality, its
-sampling, and which of its layers are sparse."""
+sampling, and which of its layers are sparse; the character-level LSTM's."""
 
 import pytest
 import torch
 
 import snack
-from snack.models import CharTransformer, TransformerBlock, sparse_char_transformer
+from snack.models import CharLSTM, CharTransformer, TransformerBlock, sparse_char_lstm, sparse_char_transformer
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -67,3 +67,44 @@ def test_the_character_model_refuses_bad_input_clearly():
     with pytest.raises(ValueError, match=r"prompt must be 1-D and non-empty, got shape \(0,\)"):
         model.generate(torch.zeros(0, dtype=torch.int64), 3)
     assert model.training
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_character_lstm_predicts_from_the_characters_up_to_each(sparse):
+    torch.manual_seed(0)
+    model = sparse_char_lstm(13, 16, 10, 0.8, "erk", "cpu") if sparse else CharLSTM(13, 16, 10)
+    ids = torch.randint(0, 13, (2, 10))
+    changed = ids.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % 13
+    logits, logits_changed = model(ids), model(changed)
+    assert logits.shape == (2, 10, 13)
+    torch.testing.assert_close(logits_changed[:, :6], logits[:, :6])
+    assert not torch.allclose(logits_changed[:, 6:], logits[:, 6:])
+    # no context limit: a sequence longer than the training one runs, and starts as the shorter does
+    longer = torch.cat([ids, ids], dim=1)
+    torch.testing.assert_close(model(longer)[:, :10], logits)
+
+
+def test_the_sparse_character_lstm_converts_its_lstm_and_head_and_keeps_the_embedding():
+    model = sparse_char_lstm(13, 16, 10, 0.9, "uniform", "cpu")
+    assert type(model.embed) is torch.nn.Embedding and isinstance(model.lstm, snack.SparseLSTM)
+    assert isinstance(model.head, snack.SparseLinear)
+    assert (model.lstm.num_layers, model.lstm.hidden_size, model.lstm.batch_first) == (2, 16, True)
+    sparse = [m for m in model.modules() if isinstance(m, snack.SparseLinear)]
+    assert len(sparse) == 2 * 2 + 1  # per layer: input-to-hidden, hidden-to-hidden; the head
+    assert all(m.sparsity == pytest.approx(0.9, abs=0.01) for m in sparse)
+
+
+def test_the_character_lstm_samples_repeatably_and_refuses_bad_input_clearly():
+    torch.manual_seed(0)
+    model = CharLSTM(7, 8, 4)
+    prompt = torch.tensor([1, 2, 3, 4, 5, 6])
+    first = model.generate(prompt, 5, torch.Generator().manual_seed(3))
+    assert first.equal(model.generate(prompt, 5, torch.Generator().manual_seed(3))) and model.training
+    # from the prediction after the last `context` (4) prompt characters, as in training
+    probabilities = model.eval()(prompt[-4:].unsqueeze(0))[0, -1].softmax(-1)
+    assert int(first[0]) == int(torch.multinomial(probabilities, 1, generator=torch.Generator().manual_seed(3)))
+    with pytest.raises(ValueError, match=r"CharLSTM: expected \(N, T\) character ids, got shape \(4,\)"):
+        model(torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"CharLSTM.generate: prompt must be 1-D and non-empty, got shape \(2, 1\)"):
+        model.generate(torch.zeros(2, 1, dtype=torch.int64), 3)
