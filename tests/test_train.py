@@ -130,6 +130,7 @@ def test_the_model_label_keeps_the_sparsity_asked_for(capsys):
 _VIT_BLOCK = r"64×64 0\.\d+ · " * 4 + r"128×64 0\.\d+ · 64×128 0\.\d+ · "
 
 
+@pytest.mark.training_run
 @pytest.mark.parametrize(
     "model, width, epochs, described",
     [
@@ -155,6 +156,7 @@ def test_snack_train_compare_run_learns_and_rewires_every_layer(capsys, model, w
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["rigl 90%", "dense", "dense+mask"]
 
 
+@pytest.mark.training_run
 def test_the_default_width_depends_on_the_model(capsys):
     argv = ["train", "--epochs", "1", "--limit", "64", "--no-progress", "--model"]
     assert cli.main([*argv, "mlp"]) == 0
@@ -172,6 +174,7 @@ def test_the_default_width_depends_on_the_model(capsys):
     assert "LSTM over 64 characters (84) → 2 LSTM layers (width 256) → 84," in out and "(2 steps," in out
 
 
+@pytest.mark.training_run
 def test_snack_train_gpt_learns_shakespeare_and_writes(capsys):
     # (seeds 0-2 gave the sparse model 4.27-4.30 bits per character, dense 3.91-3.95, Dense+Mask 4.51-4.85)
     code = cli.main(
@@ -199,6 +202,7 @@ def test_snack_train_gpt_learns_shakespeare_and_writes(capsys):
     assert len(sample) == 200 + 1  # the characters and the line's end
 
 
+@pytest.mark.training_run
 def test_snack_train_lstm_learns_shakespeare_against_torchs_lstm_and_writes(capsys):
     # (seeds 0 and 1 gave the sparse model 4.20 and 4.14 bits per character, dense 3.73 and 3.64, Dense+Mask
     # 4.30 and 4.24)
