@@ -429,18 +429,15 @@ def _build_models(
     """The sparse model of ``--model`` at ``sparsity``, its description, and a function building
     the dense model of the same architecture."""
     width = args.width or DEFAULT_WIDTH[args.model]
-    if args.model == "gpt":
-        vocabulary = len(data.vocabulary)
-        sparse = sparse_char_transformer(vocabulary, width, TEXT_CONTEXT, sparsity, args.distribution, args.device)
-        description = (f"GPT over {TEXT_CONTEXT} characters ({vocabulary}) → {GPT_BLOCKS} causal blocks (width "
-                       f"{width}, {GPT_HEADS} heads, MLP {GPT_MLP_RATIO * width}) → {vocabulary}")  # fmt: skip
-        return sparse, description, lambda: CharTransformer(vocabulary, width, TEXT_CONTEXT)
-    if args.model == "lstm":
-        vocabulary = len(data.vocabulary)
-        sparse = sparse_char_lstm(vocabulary, width, TEXT_CONTEXT, sparsity, args.distribution, args.device)
-        description = (f"LSTM over {TEXT_CONTEXT} characters ({vocabulary}) → {LSTM_LAYERS} LSTM layers (width "
-                       f"{width}) → {vocabulary}")  # fmt: skip
-        return sparse, description, lambda: CharLSTM(vocabulary, width, TEXT_CONTEXT)
+    if args.model in TEXT_MODELS:
+        vocabulary, gpt = len(data.vocabulary), args.model == "gpt"
+        dense_class, sparse_model = (CharTransformer, sparse_char_transformer) if gpt else (CharLSTM, sparse_char_lstm)
+        sparse = sparse_model(vocabulary, width, TEXT_CONTEXT, sparsity, args.distribution, args.device)
+        inside = (f"{GPT_BLOCKS} causal blocks (width {width}, {GPT_HEADS} heads, MLP {GPT_MLP_RATIO * width})" if gpt
+                  else f"{LSTM_LAYERS} LSTM layers (width {width})")  # fmt: skip
+        characters = f"{TEXT_CONTEXT} characters ({vocabulary})"
+        description = f"{args.model.upper()} over {characters} → {inside} → {vocabulary}"
+        return sparse, description, lambda: dense_class(vocabulary, width, TEXT_CONTEXT)
     in_features = data.x_train.shape[1]
     side = math.isqrt(in_features)  # the digits are square
     if args.model == "mlp":

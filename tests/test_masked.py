@@ -22,6 +22,22 @@ def _same_outputs_and_input_gradients_then_backward(sparse, masked, in_features:
     y_masked.backward(g)
 
 
+def _same_logits_then_backward(sparse):
+    """The Dense+Mask twin of the character model ``sparse`` (ids of 11 characters), after checking
+    that it holds no sparse layer and a copy of the embedding, and gives the same logits; both
+    models' backward of one output gradient has run."""
+    masked = dense_plus_mask(sparse)
+    assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
+    assert masked.embed.weight.equal(sparse.embed.weight) and masked.embed is not sparse.embed
+    ids = torch.randint(0, 11, (3, 8))
+    logits_sparse, logits_masked = sparse(ids), masked(ids)
+    torch.testing.assert_close(logits_masked, logits_sparse)
+    g = torch.randn_like(logits_sparse)
+    logits_sparse.backward(g)
+    logits_masked.backward(g)
+    return masked
+
+
 def test_dense_plus_mask_computes_what_the_sparse_vit_does():
     torch.manual_seed(0)
     sparse = sparse_vit(12, 16, 0.8, "uniform", "cpu").double()
@@ -58,15 +74,7 @@ def test_dense_plus_mask_computes_what_the_sparse_cnn_does():
 def test_dense_plus_mask_computes_what_the_sparse_character_model_does():
     torch.manual_seed(0)
     sparse = sparse_char_transformer(11, 16, 8, 0.8, "erk", "cpu").double()
-    masked = dense_plus_mask(sparse)
-    assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
-    assert masked.embed.weight.equal(sparse.embed.weight) and masked.embed is not sparse.embed
-    ids = torch.randint(0, 11, (3, 8))
-    logits_sparse, logits_masked = sparse(ids), masked(ids)
-    torch.testing.assert_close(logits_masked, logits_sparse)
-    g = torch.randn_like(logits_sparse)
-    logits_sparse.backward(g)
-    logits_masked.backward(g)
+    masked = _same_logits_then_backward(sparse)
     # every weight gradient agrees on the topology and is zero off it; the causal attention included
     for name in ("blocks.0.attention.q_proj", "blocks.1.attention.out_proj", "blocks.1.mlp.2", "head"):
         layer = sparse.get_submodule(name)
@@ -112,15 +120,8 @@ def test_dense_plus_mask_of_a_recurrent_layer_is_the_torch_layer_with_masked_wei
 def test_dense_plus_mask_computes_what_the_sparse_character_lstm_does():
     torch.manual_seed(0)
     sparse = sparse_char_lstm(11, 16, 8, 0.8, "erk", "cpu").double()
-    masked = dense_plus_mask(sparse)
-    assert not any(isinstance(m, snack.SparseLinear) for m in masked.modules())
+    masked = _same_logits_then_backward(sparse)
     assert isinstance(masked.lstm, torch.nn.LSTM) and isinstance(masked.head, MaskedLinear)
-    ids = torch.randint(0, 11, (3, 8))
-    logits_sparse, logits_masked = sparse(ids), masked(ids)
-    torch.testing.assert_close(logits_masked, logits_sparse)
-    g = torch.randn_like(logits_sparse)
-    logits_sparse.backward(g)
-    logits_masked.backward(g)
     torch.testing.assert_close(masked.embed.weight.grad, sparse.embed.weight.grad)
     hh = masked.lstm.parametrizations.weight_hh_l1.original.grad
     torch.testing.assert_close(hh[sparse.lstm.hh_l1.row.long(), sparse.lstm.hh_l1.col.long()],
