@@ -8,18 +8,26 @@ import snack
 from snack.models import CharLSTM, CharTransformer, TransformerBlock, sparse_char_lstm, sparse_char_transformer
 
 
+CHARACTER_MODELS = {"gpt": (CharTransformer, sparse_char_transformer), "lstm": (CharLSTM, sparse_char_lstm)}
+
+
 @pytest.mark.parametrize("sparse", [False, True])
-def test_a_character_is_predicted_from_the_characters_up_to_it_only(sparse):
+@pytest.mark.parametrize("kind", CHARACTER_MODELS)
+def test_a_character_is_predicted_from_the_characters_up_to_it_only(kind, sparse):
     torch.manual_seed(0)
-    model = sparse_char_transformer(13, 16, 10, 0.8, "erk", "cpu") if sparse else CharTransformer(13, 16, 10)
+    dense_class, sparse_model = CHARACTER_MODELS[kind]
+    model = sparse_model(13, 16, 10, 0.8, "erk", "cpu") if sparse else dense_class(13, 16, 10)
     ids = torch.randint(0, 13, (2, 10))
     changed = ids.clone()
     changed[:, 6:] = (changed[:, 6:] + 1) % 13  # only the characters from position 6 on
     logits, logits_changed = model(ids), model(changed)
+    assert logits.shape == (2, 10, 13)
     torch.testing.assert_close(logits_changed[:, :6], logits[:, :6])
     assert not torch.allclose(logits_changed[:, 6:], logits[:, 6:])
     # a shorter sequence gives the same predictions as the start of a longer one
     torch.testing.assert_close(model(ids[:, :4]), logits[:, :4])
+    if kind == "lstm":  # no context limit: a sequence longer than the training one runs
+        torch.testing.assert_close(model(torch.cat([ids, ids], dim=1))[:, :10], logits)
 
 
 def test_a_causal_block_masks_exactly_the_later_tokens():
@@ -67,22 +75,6 @@ def test_the_character_model_refuses_bad_input_clearly():
     with pytest.raises(ValueError, match=r"prompt must be 1-D and non-empty, got shape \(0,\)"):
         model.generate(torch.zeros(0, dtype=torch.int64), 3)
     assert model.training
-
-
-@pytest.mark.parametrize("sparse", [False, True])
-def test_the_character_lstm_predicts_from_the_characters_up_to_each(sparse):
-    torch.manual_seed(0)
-    model = sparse_char_lstm(13, 16, 10, 0.8, "erk", "cpu") if sparse else CharLSTM(13, 16, 10)
-    ids = torch.randint(0, 13, (2, 10))
-    changed = ids.clone()
-    changed[:, 6:] = (changed[:, 6:] + 1) % 13
-    logits, logits_changed = model(ids), model(changed)
-    assert logits.shape == (2, 10, 13)
-    torch.testing.assert_close(logits_changed[:, :6], logits[:, :6])
-    assert not torch.allclose(logits_changed[:, 6:], logits[:, 6:])
-    # no context limit: a sequence longer than the training one runs, and starts as the shorter does
-    longer = torch.cat([ids, ids], dim=1)
-    torch.testing.assert_close(model(longer)[:, :10], logits)
 
 
 def test_the_sparse_character_lstm_converts_its_lstm_and_head_and_keeps_the_embedding():
