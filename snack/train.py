@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "LSTM layers of the width (default: mlp)")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="rigl", help="DST algorithm (default: rigl)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9,
-                        help="overall sparsity of the linear and convolution layers (default: 0.9); granet's final one")
+                        help="overall sparsity of the linear, convolution and recurrent layers (default: 0.9); "
+                             "granet's final one")
     parser.add_argument("--initial-sparsity", type=sparsity_argument, default=None,
                         help=f"granet only: the sparsity it starts from and prunes down from "
                              f"(default: {GRANET_INITIAL_SPARSITY})")
