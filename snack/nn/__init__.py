@@ -10,7 +10,7 @@ for ``nn.ConvTranspose2d``, ``nn.ConvTranspose1d`` and ``nn.ConvTranspose3d``,
 it), :class:`SparseEmbeddingBag` for ``nn.EmbeddingBag``, and
 :func:`sparsify` / :func:`densify`, which convert a model's layers to them and back.
 
-``layer`` holds the linear layer, ``attention`` the attention, ``recurrent`` the recurrent layers, ``conv`` the convolution
+``layer`` holds the linear layer, ``attention`` the attention, ``recurrent`` the recurrent layers (``recurrent_cells`` their steps' elementwise cells), ``conv`` the convolution
 (``conv_base`` what it shares with ``conv_transpose``, the transposed one; ``conv_rows`` its im2col
 training node, ``conv1d`` and ``conv_transpose1d`` the 1-D ones built on them, ``conv3d`` and
 ``conv_transpose3d`` the 3-D ones, ``plane`` how those compute with the 2-D kernels), ``embedding``

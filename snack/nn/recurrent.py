@@ -11,9 +11,10 @@ algorithms, ``snack.AveragedModel`` and the distributions see each as any other 
 How it computes: the input product of a layer runs once over the whole sequence (one sparse
 product of ``T·N`` rows); the recurrence then runs one step at a time, the hidden product through
 ``hh``'s forward (so a RigL update step records every step's ``h`` and gradient: their sum is the
-weight's gradient), the gates elementwise in torch. Autograd's backward runs each step's sparse
-backward. A packed sequence (``nn.utils.rnn.PackedSequence``) runs each step on the sequences
-still going, as ``nn.LSTM`` does: nothing is computed for the padding.
+weight's gradient), the gates elementwise (:mod:`snack.nn.recurrent_cells`: one native kernel on
+the CPU). Autograd's backward runs each step's sparse backward. A packed sequence
+(``nn.utils.rnn.PackedSequence``) runs each step on the sequences still going, as ``nn.LSTM``
+does: nothing is computed for the padding.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from snack.nn import tracing
 from snack.nn.layer import SparseLinear
+from snack.nn.recurrent_cells import gru_cell, lstm_cell
 from snack.topology import check_sparsity
 
 __all__ = ["SparseGRU", "SparseLSTM", "SparseRNN"]
@@ -431,9 +433,7 @@ class SparseLSTM(_SparseRNNBase):
     _dense_class = nn.LSTM
 
     def _cell(self, gates_x, h, c, hh, hr):
-        i, f, g, o = (gates_x + hh(h)).chunk(4, dim=1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
+        h, c = lstm_cell(gates_x + hh(h), c)
         return (h if hr is None else hr(h)), c
 
 
@@ -456,11 +456,7 @@ class SparseGRU(_SparseRNNBase):
                          sparsity=sparsity, device=device, dtype=dtype)  # fmt: skip
 
     def _cell(self, gates_x, h, c, hh, hr):
-        x_r, x_z, x_n = gates_x.chunk(3, dim=1)
-        h_r, h_z, h_n = hh(h).chunk(3, dim=1)
-        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
-        n = torch.tanh(x_n + r * h_n)
-        return n + z * (h - n), None  # (1 - z) ⊙ n + z ⊙ h
+        return gru_cell(gates_x, hh(h), h), None
 
 
 class SparseRNN(_SparseRNNBase):

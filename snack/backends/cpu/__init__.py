@@ -1,7 +1,9 @@
 """The native CPU backend: C++ kernels built once per machine, just in time: the sparse ops
 (``kernels.cpp``), the index helpers of topology updates (``index_ops.cpp``), RigL's gradient
 scores (``grow_scores.cpp``) and ``SparseConv2d``'s direct convolution (``conv_kernels.cpp``, its
-depthwise form ``depthwise_kernels.cpp``, both walking as ``conv_walk.h`` lays out), one library.
+depthwise form ``depthwise_kernels.cpp``, both walking as ``conv_walk.h`` lays out), the 3-D
+layers' plane layout (``plane_kernels.cpp``), the embedding lookup (``embedding_kernels.cpp``) and
+the LSTM and GRU steps' elementwise cells (``recurrent_kernels.cpp``), one library.
 
 This package builds them; :mod:`.native` loads them (building first if needed) and wraps the ops,
 and is what :mod:`snack.backends` imports. Importing this package itself builds nothing, so that
@@ -40,7 +42,7 @@ _SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
         "kernels.cpp", "index_ops.cpp", "grow_scores.cpp", "conv_kernels.cpp", "depthwise_kernels.cpp",
-        "plane_kernels.cpp", "embedding_kernels.cpp",
+        "plane_kernels.cpp", "embedding_kernels.cpp", "recurrent_kernels.cpp",
     )
 )
 _HEADERS = (Path(__file__).with_name("conv_walk.h"),)  # included by the sources: part of the cache key
