@@ -136,8 +136,9 @@ def main() -> None:
     emit("| cell | batch × hidden | training: kernel | torch calls | torch/kernel | inference: kernel | torch calls "
          "| torch/kernel |")  # fmt: skip
     emit("|---|---|---|---|---|---|---|---|")
-    functions = {"LSTM": (cells.lstm_cell, cells.lstm_cell_reference), "GRU": (cells.gru_cell, cells.gru_cell_reference)}
-    for name, (kernel, reference) in functions.items():
+    cell_paths = {"LSTM": (cells.lstm_cell, cells.lstm_cell_reference),
+                  "GRU": (cells.gru_cell, cells.gru_cell_reference)}  # fmt: skip
+    for name, (kernel, reference) in cell_paths.items():
         for n, h in CELL_SHAPES:
             inputs = _chain_inputs(name, n, h)
             us = {key: s / CHAIN * 1e6 for key, s in interleaved_medians({
@@ -151,8 +152,8 @@ def main() -> None:
                 row.append(f"{k:.1f} | {t:.1f} | {t / k:.2f}")
             emit(f"| {' | '.join(row)} |")
     emit("")
-    emit(f"Whole modules: {MODULE_LAYERS} layers of {MODULE_WIDTH} at sparsity {SPARSITY}, {MODULE_STEPS} steps × batch "
-         f"{MODULE_BATCH} (ms per call; training = forward and backward):")  # fmt: skip
+    emit(f"Whole modules: {MODULE_LAYERS} layers of {MODULE_WIDTH} at sparsity {SPARSITY}, {MODULE_STEPS} steps × "
+         f"batch {MODULE_BATCH} (ms per call; training = forward and backward):")  # fmt: skip
     emit("")
     emit("| module | training: kernel | torch calls | torch/kernel | inference: kernel | torch calls | torch/kernel "
          "| kept for backward MB: kernel | torch calls |")  # fmt: skip

@@ -655,6 +655,20 @@ try:
     raise AssertionError("src out of range was not refused")
 except IndexError as error:
     assert "src[70001] = -5" in str(error), error
+# the recurrent cells' kernels (8-wide vectors or scalar code, SLEEF's tanh of that width): widths
+# that are not a multiple of the vector, against the torch calls
+from snack.nn import recurrent_cells as cells
+for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+    pre, c, dh, dc = (torch.randn(5, w, dtype=dtype) * 3 for w in (4 * 19, 19, 19, 19))
+    h_new, c_new = torch.ops.snack_cpu.lstm_cell(pre, c)
+    want = cells.lstm_cell_reference(pre, c)
+    got = (h_new, c_new, *torch.ops.snack_cpu.lstm_cell_backward(dh, dc, pre, c, c_new))
+    want = (*want, *cells.lstm_cell_grads(dh, dc, pre, c, want[1]))
+    gx, gh, h = (torch.randn(5, w, dtype=dtype) * 3 for w in (3 * 19, 3 * 19, 19))
+    got += (torch.ops.snack_cpu.gru_cell(gx, gh, h), *torch.ops.snack_cpu.gru_cell_backward(dh, gx, gh, h))
+    want += (cells.gru_cell_reference(gx, gh, h), *cells.gru_cell_grads(dh, gx, gh, h))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 print("ok")
 """
 

@@ -10,12 +10,13 @@ A step's sparse products run through :class:`snack.SparseLinear`; what remains i
 
 Written as torch calls (:func:`lstm_cell_reference`, :func:`gru_cell_reference`) a step is about a
 dozen elementwise ops forward and as many backward, each an autograd node: at ``N = 32``,
-``H = 256`` about 40% of a ``SparseLSTM`` training step on this project's CPU (a profile). On CPU tensors of float32 or
-float64 the native kernels (``snack/backends/cpu/recurrent_kernels.cpp``) compute each direction
-in one pass, as one autograd node whose backward recomputes the gates from what the forward took
-(less to keep than the gates themselves). Everywhere else (other devices and dtypes, autocast's
-mixed dtypes, ``torch.compile``, ``torch.jit.trace``, ``torch.func`` transforms,
-``use_backend("reference")``) the torch calls run, as they did before the kernels.
+``H = 256`` about 40% of a ``SparseLSTM`` training step on this project's CPU (a profile). On CPU
+tensors of float32 or float64 the native kernels (``snack/backends/cpu/recurrent_kernels.cpp``)
+compute each direction in one pass, as one autograd node whose backward recomputes the gates from
+what the forward took (less to keep than the gates themselves; ``benchmarks/recurrent_cells.py``).
+Everywhere else (other devices and dtypes, autocast's mixed dtypes, ``torch.compile``,
+``torch.jit.trace``, ``torch.func`` transforms, ``use_backend("reference")``) the torch calls
+run, as they did before the kernels.
 
 Gradients of gradients (``create_graph=True``) work on both paths: there the node's backward
 is the torch formulas of :func:`lstm_cell_grads` and :func:`gru_cell_grads`, which autograd
