@@ -71,10 +71,12 @@ TEXT_MODELS, TEXT_CONTEXT = ("gpt", "lstm"), 64
 # The options whose defaults depend on the data: on digits 10 passes over every training example in
 # batches of 64 at a peak learning rate of 2e-3; on Shakespeare (--model gpt, lstm) one pass over the
 # first 20,000 sequences (1.28 M characters) in batches of 32 sequences (2,048 characters), 625
-# steps, the learning rate rising over 50 steps to 5e-3 (at 1e-2 the dense model trained worse than
-# the sparse ones, at 2e-3 the sparse ones worse than dense; README, `snack train`)
+# steps, the learning rate rising over 50 steps to 5e-3 (the GPT: at 1e-2 the dense model trained
+# worse than the sparse ones, at 2e-3 the sparse ones worse than dense) or to 2e-2 (the LSTM: all
+# three models ended lower than at 5e-3, by 0.03-0.22 bits per character; README, `snack train`)
 DIGITS_DEFAULTS = {"epochs": 10, "limit": None, "batch_size": 64, "lr": 2e-3, "warmup": 0}
 TEXT_DEFAULTS = {"epochs": 1, "limit": 20_000, "batch_size": 32, "lr": 5e-3, "warmup": 50}
+MODEL_DEFAULTS = {"lstm": {"lr": 2e-2}}  # where one model's default differs from its data's
 
 # --model gpt, lstm: characters sampled from the trained sparse model, after a prompt of held-out text
 SAMPLE_PROMPT, SAMPLE_LENGTH = 32, 200
@@ -102,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="training batch size (default: 64; gpt, lstm: 32 sequences of 64 characters)")
     parser.add_argument("--lr", type=_learning_rate, default=None,
-                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3; gpt, lstm: 5e-3)")
+                        help="peak AdamW learning rate, cosine-decayed (default: 2e-3; gpt: 5e-3; lstm: 2e-2)")
     parser.add_argument("--warmup", type=whole_number(0), default=None,
                         help="steps over which the learning rate rises linearly to its peak before the decay "
                              "(default: 0; gpt, lstm: 50)")
@@ -357,6 +359,15 @@ def _peak_memory(device: torch.device) -> str:
     return f"{rss}, peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
 
 
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Set the options the command line left out (``None``) whose defaults depend on the data and
+    the model: :data:`DIGITS_DEFAULTS` or :data:`TEXT_DEFAULTS`, then :data:`MODEL_DEFAULTS`."""
+    data_defaults = TEXT_DEFAULTS if args.model in TEXT_MODELS else DIGITS_DEFAULTS
+    for option, default in {**data_defaults, **MODEL_DEFAULTS.get(args.model, {})}.items():
+        if getattr(args, option) is None:
+            setattr(args, option, default)
+
+
 def run(args: argparse.Namespace) -> int:
     if unavailable_device("train", args.device):
         return 2
@@ -367,9 +378,7 @@ def run(args: argparse.Namespace) -> int:
     starting = _starting_sparsity(args)
     if starting is None:
         return 2
-    for option, default in (TEXT_DEFAULTS if args.model in TEXT_MODELS else DIGITS_DEFAULTS).items():
-        if getattr(args, option) is None:
-            setattr(args, option, default)
+    fill_defaults(args)
     data = _load_data(args)
     torch.manual_seed(args.seed)
     sparse, description, dense_model = _build_models(args, data, starting)

@@ -1,10 +1,11 @@
+import argparse
 import re
 
 import pytest
 import torch
 
 import snack
-from snack import cli
+from snack import cli, train
 
 
 def test_snack_train_tiny_compare_run_prints_accuracy_above_chance(capsys):
@@ -154,6 +155,20 @@ def test_snack_train_compare_run_learns_and_rewires_every_layer(capsys, model, w
     assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["rigl 90%", "dense", "dense+mask"]
+
+
+def test_the_defaults_depend_on_the_data_and_the_model():
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    resolved = {}
+    for model in ("mlp", "gpt", "lstm"):
+        args = parser.parse_args(["--model", model])
+        train.fill_defaults(args)
+        resolved[model] = (args.lr, args.warmup, args.batch_size, args.epochs)
+    assert resolved == {"mlp": (2e-3, 0, 64, 10), "gpt": (5e-3, 50, 32, 1), "lstm": (2e-2, 50, 32, 1)}
+    args = parser.parse_args(["--model", "lstm", "--lr", "1e-3"])  # given: kept
+    train.fill_defaults(args)
+    assert args.lr == 1e-3
 
 
 @pytest.mark.training_run
