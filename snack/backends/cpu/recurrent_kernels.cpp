@@ -87,16 +87,16 @@ Vec<scalar_t> load(const scalar_t* data, int64_t count) {
   return Vec<scalar_t>::loadu(data, count);
 }
 
-// A row of an optional gradient, or zeros where it is absent.
+// count entries of an optional gradient from offset on, or zeros where it is absent (base null).
 template <typename scalar_t>
-Vec<scalar_t> load_or_zero(const scalar_t* data, int64_t count) {
-  return data == nullptr ? Vec<scalar_t>(0) : load(data, count);
+Vec<scalar_t> load_or_zero(const scalar_t* base, int64_t offset, int64_t count) {
+  return base == nullptr ? Vec<scalar_t>(0) : load(base + offset, count);
 }
 
 // Rows [begin, end) of an (N, H) computation in parallel chunks of about kGrain hidden units.
 template <typename Body>
-void over_rows(int64_t rows, int64_t width, const Body& body) {
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, width));
+void over_rows(int64_t rows, int64_t hidden, const Body& body) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, hidden));
   at::parallel_for(0, rows, grain, body);
 }
 
@@ -184,10 +184,9 @@ std::tuple<at::Tensor, at::Tensor> lstm_cell_backward(const std::optional<at::Te
           const auto i = sigmoid(load(p + j, k)), f = sigmoid(load(p + H + j, k));
           const auto g = tanh(load(p + 2 * H + j, k)), o = sigmoid(load(p + 3 * H + j, k));
           const auto tanh_cell = tanh(load(c_new_data + row + j, k));
-          const auto dh_row = load_or_zero(dh_data == nullptr ? nullptr : dh_data + row + j, k);
+          const auto dh_row = load_or_zero(dh_data, row + j, k);
           // the cell's gradient: from c_new directly and through h = o·tanh(c_new)
-          const auto dcell = load_or_zero(dc_new_data == nullptr ? nullptr : dc_new_data + row + j, k) +
-                             dh_row * o * (one - tanh_cell * tanh_cell);
+          const auto dcell = load_or_zero(dc_new_data, row + j, k) + dh_row * o * (one - tanh_cell * tanh_cell);
           (dcell * g * i * (one - i)).store(dp + j, k);
           (dcell * load(c_data + row + j, k) * f * (one - f)).store(dp + H + j, k);
           (dcell * i * (one - g * g)).store(dp + 2 * H + j, k);
