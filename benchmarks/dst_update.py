@@ -1,4 +1,4 @@
-"""What a topology update costs: a training step with a SET, RigL or MEST update against one without.
+"""What a topology update costs: a training step with a SET, RigL, SRigL or MEST update against one without.
 
 Usage: ``.venv/bin/python benchmarks/dst_update.py`` (about 30 s); writes
 ``benchmarks/dst_update.txt``, which the README quotes. ``--device cuda --out FILE`` measures on a
@@ -29,6 +29,9 @@ BATCH, DROP_FRACTION, SAMPLES = 32, 0.3, 7
 ALGORITHMS = {
     "SET": snack.dst.SET,
     "RigL": snack.dst.RigL,
+    # RigL's drop balanced per row, each row's regrowth its own pick (the layer's rows come with
+    # varying counts: the first update balances them, later ones keep them)
+    "SRigL": snack.dst.SRigL,
     # replacing DROP_FRACTION below the target and growing nothing above it, as SET does, but
     # dropping by the score that adds the active connections' gradient
     "MEST": lambda *args, **kwargs: snack.dst.MEST(*args, extra_fraction=0.0, gradient_weight=0.1, **kwargs),

@@ -15,8 +15,8 @@ import snack
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "snack.train",
-        "train a sparse MLP, CNN or ViT on MNIST digits, or a character-level GPT on Shakespeare, with dynamic "
-        "sparse training (RigL, SET, GraNet, MEST)",
+        "train a sparse MLP, CNN or ViT on MNIST digits, or a character-level GPT or LSTM on Shakespeare, with "
+        "dynamic sparse training (RigL, SET, SRigL, GraNet, MEST)",
     ),
     "compile-check": (
         "snack.backends.triton.compile_check",

@@ -11,7 +11,8 @@ next character, and ``--model lstm`` a two-layer LSTM doing the same. The transf
 attention projections (``SparseMultiheadAttention``) and the LSTM's weight matrices
 (``SparseLSTM``) are sparse too; the CNN, the transformers and the LSTM are built dense and
 sparsified that way. Each is trained with AdamW (cosine learning-rate decay) while RigL or SET
-(or nothing, ``--algorithm static``) rewires it, or GraNet prunes it from ``--initial-sparsity``
+(or nothing, ``--algorithm static``) rewires it, or SRigL does as RigL while keeping every output's
+fan-in, or GraNet prunes it from ``--initial-sparsity``
 to ``--sparsity`` while regrowing as RigL does, or MEST grows at random up to
 ``--extra-fraction`` above each layer's connections between updates. ``--compare`` trains the
 same architecture dense (``nn.Linear``, ``nn.Conv2d``, ``nn.MultiheadAttention``, ``nn.LSTM``)
@@ -54,13 +55,16 @@ __all__ = ["Result", "add_arguments", "evaluate", "run", "train_models"]
 # DST updates stop after this fraction of the run, so the last topology gets time to settle.
 DST_STOP_FRACTION = 0.75
 
-ALGORITHMS = ("rigl", "set", "granet", "mest", "static")
+ALGORITHMS = ("rigl", "set", "srigl", "granet", "mest", "static")
 
 # GraNet's starting sparsity when --initial-sparsity is not given (the paper's sparse-to-sparse runs)
 GRANET_INITIAL_SPARSITY = 0.5
 
 # MEST's soft memory bound when --extra-fraction is not given (the reference code's at 90%)
 MEST_EXTRA_FRACTION = 0.5
+
+# the drop-and-grow algorithms of --algorithm, which share their arguments
+DROP_GROW = {"rigl": snack.dst.RigL, "set": snack.dst.SET, "srigl": snack.dst.SRigL}
 
 # hidden width of the fully connected layers (the transformers' token width) when --width is not given
 DEFAULT_WIDTH = {"mlp": 1024, "cnn": 256, "vit": 128, "gpt": 256, "lstm": 256}
@@ -231,10 +235,10 @@ class _Run:
                 model, self.optimizer, total_steps=total_steps, drop_fraction=_drop_fraction(args, algorithm),
                 extra_fraction=extra, update_every=args.update_every, stop_fraction=DST_STOP_FRACTION, seed=args.seed,
             )
-        elif algorithm in ("rigl", "set"):
-            cls = snack.dst.RigL if algorithm == "rigl" else snack.dst.SET
+        elif algorithm in DROP_GROW:
+            cls = DROP_GROW[algorithm]
             with warnings.catch_warnings():  # "will never change the topology": run() has said so
-                warnings.filterwarnings("ignore", "(RigL|SET) will never change", UserWarning)
+                warnings.filterwarnings("ignore", "(S?RigL|SET) will never change", UserWarning)
                 self.dst = cls(
                     model, self.optimizer, drop_fraction=_drop_fraction(args, algorithm),
                     update_every=args.update_every, total_steps=total_steps, stop_fraction=DST_STOP_FRACTION,
@@ -271,14 +275,14 @@ def train_models(
     models: list[tuple[str, nn.Module, str | None]], data: Digits | TextSequences, args: argparse.Namespace
 ) -> list[Result]:
     """Train each ``(name, model, algorithm)`` with AdamW on the same batches in the same order
-    (from ``args.seed``); ``algorithm`` ``"rigl"``/``"set"``/``"granet"`` rewires the SparseLinear layers.
+    (from ``args.seed``); ``algorithm`` (one of ``ALGORITHMS`` but ``"static"``) rewires the sparse layers.
 
     The models take their steps in turn, batch by batch, so a slowdown of the machine hits them
     alike; each step is timed on its own (forward, backward, optimizer and DST step).
     """
     n = len(data.y_train)
     total_steps = math.ceil(n / args.batch_size) * args.epochs
-    if any(algorithm in ("rigl", "set") for _, _, algorithm in models):
+    if any(algorithm in DROP_GROW for _, _, algorithm in models):
         _note_if_no_update(args.update_every, _drop_fraction(args, "rigl"), total_steps)
     for _, model, _ in models:
         # untimed warm-up: loads kernel libraries and touches first-use memory; leaves no state
@@ -410,6 +414,8 @@ def run(args: argparse.Namespace) -> int:
               f"{main.ema_bytes / 2**20:.2f} MiB more")
     if args.algorithm in ("granet", "mest"):  # granet's pruned, mest's back to its targets
         print(f"{args.algorithm}'s densities at the end: {_densities(layers)}")
+    if args.algorithm == "srigl":  # every output's fan-in: nnz // out, or one more
+        print(f"srigl's connections per output at the end: {_fan_ins(layers)}")
     # one process trains every model: its peak is theirs together, with the data and torch itself
     models_run = "all three models" if args.compare else "this model"
     print(f"process peak memory ({models_run}, the data and torch itself): {_peak_memory(args.device)}")
@@ -497,6 +503,16 @@ def _starting_sparsity(args: argparse.Namespace) -> float | None:
 
 def _densities(layers: list[snack.SparseLinear]) -> str:
     return " · ".join(f"{_shape(m)} {1 - m.sparsity:.3f}" for m in layers)
+
+
+def _fan_ins(layers: list[snack.SparseLinear]) -> str:
+    """Each layer's fewest and most connections in one row, as ``shape lo–hi`` (``lo`` when equal)."""
+    spans = []
+    for m in layers:
+        counts = m.topology.rowptr.diff()
+        lo, hi = int(counts.min()), int(counts.max())
+        spans.append(f"{_shape(m)} {lo if lo == hi else f'{lo}–{hi}'}")
+    return " · ".join(spans)
 
 
 def _percent(sparsity: float) -> str:

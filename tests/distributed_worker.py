@@ -124,13 +124,19 @@ def set_random(net: nn.Module, optimizer):
     return snack.dst.SET(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
 
 
+def srigl(net: nn.Module, optimizer):
+    # rows balanced by the first update and kept so, from every rank's records (grouped and
+    # transposed convolutions among the layers)
+    return snack.dst.SRigL(net, optimizer, drop_fraction=0.3, update_every=2, total_steps=10, grow_init="random")
+
+
 # under FSDP: (the algorithm, which keeps nnz (None: a fixed topology), the optimizer, whose
 # per-element state FSDP shards too: SGD's momentum, Adam's moments beside its scalar step, and
 # whether the model starts with the token embedding, whose tied head calls attend: a method FSDP
 # must gather the table around, as it does around forward)
 FSDP_RUNS = {
     "static": (None, "sgd", False), "set": (set_random, "sgd", False), "rigl": (rigl, "sgd", False),
-    "rigl_adam": (rigl, "adam", False), "rigl_tied_embedding": (rigl, "sgd", True),
+    "rigl_adam": (rigl, "adam", False), "rigl_tied_embedding": (rigl, "sgd", True), "srigl": (srigl, "sgd", False),
 }
 
 

@@ -594,6 +594,7 @@ def test_a_bad_gather_environment_makes_the_backend_unavailable_with_a_warning()
 # Run in a fresh process: the vector ISA is chosen when torch is imported.
 _OTHER_ISA_CHECK = """
 import torch
+import snack
 from snack.backends import cpu, reference
 from snack.backends.cpu import native
 from snack.dst import prune_grow
@@ -641,6 +642,11 @@ for threads in (1, 2):
                     got = scores.above(1, out_features, bar, False)
                     scores.native = False
                     assert all(torch.equal(a, b) for a, b in zip(got, scores.above(1, out_features, bar, False)))
+                # SRigL's pick per row, collect_row's compares under a sampled bar (exact likewise)
+                quotas = (in_features - topo.rowptr.diff().long()) // 3
+                got = prune_grow.gradient_grow_rows(xi, dyi, topo, quotas)
+                with snack.use_backend("reference"):
+                    assert torch.equal(got, prune_grow.gradient_grow_rows(xi, dyi, topo, quotas))
 # take_or_fill's vector gathers (4- and 8-byte elements) and the scalar loop after them
 for dtype in (torch.float32, torch.int64, torch.bfloat16):
     for n in (0, 7, 1 << 17):

@@ -45,8 +45,9 @@ def _train(model, opt, dst, batches):
 
 @pytest.mark.parametrize(
     "algorithm, options",
-    [(snack.dst.SET, {}), (snack.dst.SET, {"split_sign": True, "grow_init": "random"}), (snack.dst.RigL, {})],
-    ids=["set", "set-split-sign", "rigl"],
+    [(snack.dst.SET, {}), (snack.dst.SET, {"split_sign": True, "grow_init": "random"}), (snack.dst.RigL, {}),
+     (snack.dst.SRigL, {}), (snack.dst.SRigL, {"grow_init": "random"})],
+    ids=["set", "set-split-sign", "rigl", "srigl", "srigl-random-init"],
 )
 def test_invariants_hold_after_many_updates(algorithm, options):
     model = _model()
@@ -75,7 +76,9 @@ def test_updates_stop_after_stop_fraction_and_return_flags():
     assert [t + 1 for t, f in enumerate(flags) if f] == [5, 10, 15]  # step 20: cosine fraction is 0
 
 
-ALGORITHMS = [snack.dst.SET, snack.dst.RigL, snack.dst.GradualPruning, snack.dst.GraNet, snack.dst.MEST]
+ALGORITHMS = [
+    snack.dst.SET, snack.dst.RigL, snack.dst.SRigL, snack.dst.GradualPruning, snack.dst.GraNet, snack.dst.MEST
+]
 
 
 def _options(algorithm, *, total_steps=1000, final_sparsity=0.95, start_step=0, end_step=10):
@@ -352,7 +355,7 @@ def test_same_seed_same_run_different_seed_different_topology():
     assert not all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, c))
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.SRigL])
 def test_resume_from_checkpoint_is_bitwise_identical(algorithm):
     batches = _batches(40)
     kwargs = dict(drop_fraction=0.3, update_every=4, total_steps=40, seed=7)
@@ -476,7 +479,7 @@ def _live_tensors():
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.SRigL])
 def test_memory_does_not_grow_over_1000_updates(algorithm):
     torch.manual_seed(0)
     layer = snack.SparseLinear(12, 6, sparsity=0.7)
@@ -554,7 +557,7 @@ def test_bad_arguments_raise_and_change_nothing(kwargs, error, match):
         (dict(layers=0), TypeError, "layers must be None .* got int 0"),
     ],
 )
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "SRigL", "GradualPruning", "GraNet", "MEST"])
 def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, error, match):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -566,7 +569,7 @@ def test_bad_seed_and_layers_raise_a_clear_error_naming_them(algorithm, kwargs, 
     _same(before, _snapshot(model, opt))
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "SRigL", "GradualPruning", "GraNet", "MEST"])
 @pytest.mark.parametrize(
     "make_iterable",
     [lambda names: (n for n in names), lambda names: filter(None, names), lambda names: iter(names)],
@@ -580,7 +583,7 @@ def test_layers_may_be_a_one_shot_iterable(algorithm, make_iterable):
     assert [name for name, _ in dst.layers] == ["0", "4"]
 
 
-@pytest.mark.parametrize("algorithm", ["SET", "RigL", "GradualPruning", "GraNet", "MEST"])
+@pytest.mark.parametrize("algorithm", ["SET", "RigL", "SRigL", "GradualPruning", "GraNet", "MEST"])
 @pytest.mark.parametrize("layers", [None, ["0"]], ids=["all", "one of the two"])
 def test_layers_sharing_one_values_parameter_are_refused(algorithm, layers):
     # a rewire of one would leave the other reading the new values at its old connections
@@ -622,7 +625,7 @@ def test_unknown_optimizer_state_shape_fails_before_any_change():
 
 
 @pytest.mark.parametrize("where", ["plan_rewire", "_data_swap"])
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.SRigL])
 def test_a_failure_on_a_later_layer_leaves_every_layer_as_it_was(algorithm, where, monkeypatch):
     """Every layer's rewiring is computed, and every tensor it needs allocated, before any is
     applied: an error on the last one (here an allocation failure, while planning it or in the
@@ -860,7 +863,7 @@ def _unchanged(layer, before):
 
 
 @pytest.mark.parametrize("frozen_index", [0, 1], ids=["first", "middle"])
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.SRigL])
 def test_a_frozen_layer_is_left_alone_until_it_is_unfrozen(algorithm, frozen_index):
     """The optimizer is built from every parameter (it skips those without a gradient); the DST
     object keeps the frozen layer, leaves it alone while it is frozen (RigL records nothing for it
@@ -898,7 +901,7 @@ def test_an_optimizer_of_the_trainable_parameters_only_names_the_frozen_layer_it
         (dict(total_steps=8, update_every=6), "step 6, the only update step, has a drop fraction of 0"),
     ],
 )
-@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL])
+@pytest.mark.parametrize("algorithm", [snack.dst.SET, snack.dst.RigL, snack.dst.SRigL])
 def test_a_schedule_that_never_changes_the_topology_warns(algorithm, options, why):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -998,7 +1001,7 @@ class _TwoBranches(nn.Module):
         return self.left(a).square().sum() + self.right(b).square().sum()
 
 
-@pytest.mark.parametrize("algorithm", [snack.dst.RigL, _GradientGrowth])
+@pytest.mark.parametrize("algorithm", [snack.dst.RigL, snack.dst.SRigL, _GradientGrowth])
 def test_a_layer_whose_recorded_batch_is_not_finite_is_left_alone_with_a_warning(algorithm):
     """An overflowed mixed-precision step: the layer's update is skipped (no drop, no grow), the
     others' still happen; a DropGrow subclass with needs_gradient gets the same."""

@@ -1,4 +1,5 @@
-"""The native kernel of RigL's gradient growth (``snack/backends/cpu/grow_scores.cpp``) against torch.
+"""The native kernels of RigL's and SRigL's gradient growth (``snack/backends/cpu/grow_scores.cpp``)
+against torch.
 
 ``torch.ops.snack_cpu.gradient_scores_above`` returns the free positions of a range of rows whose
 ``|dyᵀ·x|`` key reaches a bar, and their keys. The reference forms every score with a matrix
@@ -6,6 +7,10 @@ product, takes the keys (``snack.ranking.ordering_keys``), marks the connections
 Integer-valued records make every sum exact in any order, so the two agree bit for bit; shapes
 cross the kernel's boundaries (16- and 32-column panels, 8- and 4-row groups, row blocks, panel
 sweeps, the split between threads).
+
+``torch.ops.snack_cpu.gradient_scores_top_rows`` returns, for each row of a range, its quota of free
+positions with the largest keys (ties to the lower position): against a stable sort of each row's
+dense keys.
 """
 
 import pytest
@@ -18,6 +23,7 @@ from snack.ranking import ordering_keys
 from snack.topology import Topology, random_coo
 
 scores_above = torch.ops.snack_cpu.gradient_scores_above
+top_rows = torch.ops.snack_cpu.gradient_scores_top_rows
 NAN_KEY = {torch.float32: 0x7F800001, torch.float64: 0x7FF0000000000001}
 
 
@@ -144,3 +150,96 @@ def test_bad_input_raises_a_clear_error(message):
     dyt, x, rowptr, col, first, last = _bad_calls()[message]
     with pytest.raises(RuntimeError, match=message):
         scores_above(dyt, x, rowptr, col, first, last, 0, False)
+
+
+def _top_rows_reference(dyt, x, topo, quotas, first, last):
+    """Each row's quota of free positions with the largest keys, ties to the lower one, increasing."""
+    keys = ordering_keys((dyt @ x).abs())
+    keys[topo.row.long(), topo.col.long()] = -1
+    picked = []
+    for r in range(first, last):
+        order = torch.sort(keys[r], descending=True, stable=True).indices[: int(quotas[r])]
+        picked.append(order.sort().values + r * x.shape[1])
+    return torch.cat(picked) if picked else torch.empty(0, dtype=torch.int64)
+
+
+def _quotas(topo, in_, generator, *, fraction=None):
+    free = in_ - topo.rowptr.diff().long()
+    if fraction is not None:
+        return (free * fraction).long()
+    return (torch.rand(free.shape, generator=generator, dtype=torch.float64) * (free + 1)).long().clamp_max(free)
+
+
+@given(
+    st.integers(1, 20), st.integers(1, 70), st.integers(0, 9), st.floats(0.0, 0.95),
+    st.sampled_from([torch.float32, torch.float64]), st.data(),
+)  # fmt: skip
+@settings(max_examples=150, deadline=None)
+def test_top_rows_matches_the_dense_reference(out, in_, batch, sparsity, dtype, data):
+    seed = data.draw(st.integers(0, 9))
+    topo, dyt, x = _case(out, in_, batch, sparsity, dtype, seed=seed)  # small integers: many ties
+    quotas = _quotas(topo, in_, torch.Generator().manual_seed(seed))
+    first = data.draw(st.integers(0, out))
+    last = data.draw(st.integers(first, out))
+    got = top_rows(dyt, x, topo.rowptr, topo.col, quotas, first, last)
+    assert got.dtype == torch.int64 and torch.equal(got, _top_rows_reference(dyt, x, topo, quotas, first, last))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fraction", [0.01, 0.05, 0.3, 1.0], ids=["1%", "5%", "30%", "all"])
+@pytest.mark.parametrize("out, in_, batch", [(300, 1000, 33), (9, 4096, 8), (200, 3, 5)])
+def test_top_rows_of_large_shapes_on_any_thread_count(out, in_, batch, fraction, dtype):
+    """Quotas small and large against rows of many columns: the sampled bar, and the fallback where
+    too few reach it (integer scores: many ties at the bar)."""
+    topo, dyt, x = _case(out, in_, batch, 0.9, dtype)
+    quotas = _quotas(topo, in_, None, fraction=fraction)
+    expected = _top_rows_reference(dyt, x, topo, quotas, 0, out)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(top_rows(dyt, x, topo.rowptr, topo.col, quotas, 0, out), expected)
+    finally:
+        torch.set_num_threads(threads)
+    assert expected.numel() == int(quotas.sum())
+
+
+def test_top_rows_of_random_scores_match_and_rank_nan_first():
+    generator = torch.Generator().manual_seed(3)
+    topo = Topology(*random_coo(64, 2000, 0.9, generator=generator), (64, 2000))
+    dyt, x = torch.randn(64, 16, generator=generator), torch.randn(16, 2000, generator=generator)
+    x[3, 77] = float("nan")  # column 77 scores NaN in every row: the first pick of each row holding it free
+    quotas = _quotas(topo, 2000, None, fraction=0.04)
+    got = top_rows(dyt, x, topo.rowptr, topo.col, quotas, 0, 64)
+    assert torch.equal(got, _top_rows_reference(dyt, x, topo, quotas, 0, 64))
+    free77 = ~torch.isin(torch.arange(64) * 2000 + 77, topo.row.long() * 2000 + topo.col.long())
+    assert bool(torch.isin(torch.arange(64)[free77] * 2000 + 77, got).all())
+
+
+def test_top_rows_refuses_bad_quotas():
+    topo, dyt, x = _case(5, 7, 2, 0.5, torch.float32)
+    free = 7 - topo.rowptr.diff().long()
+    with pytest.raises(RuntimeError, match="quotas must be a contiguous 1-D int64"):
+        top_rows(dyt, x, topo.rowptr, topo.col, free.int(), 0, 5)
+    with pytest.raises(RuntimeError, match=r"quotas must have one entry per row \(5\), got 4"):
+        top_rows(dyt, x, topo.rowptr, topo.col, free[:4], 0, 5)
+    too_many = free.clone()
+    too_many[2] += 1
+    with pytest.raises(RuntimeError, match=rf"quotas\[2\] = {int(too_many[2])} must lie in \[0, {int(free[2])}\]"):
+        top_rows(dyt, x, topo.rowptr, topo.col, too_many, 0, 5)
+    with pytest.raises(RuntimeError, match="rows must satisfy"):
+        top_rows(dyt, x, topo.rowptr, topo.col, free, 2, 6)
+    assert top_rows(dyt, x, topo.rowptr, topo.col, free, 0, 5).numel() == int(free.sum())
+
+
+def test_top_rows_falls_back_to_every_column_when_the_sampled_bar_is_too_high():
+    # the bar is read off every 16th column's key: make those the largest, so that fewer than a
+    # quota of 600 reach it, and the pick must run among every free column
+    generator = torch.Generator().manual_seed(4)
+    topo = Topology(*random_coo(3, 4096, 0.9, generator=generator), (3, 4096))
+    x = torch.rand(4, 4096, generator=generator, dtype=torch.float64)
+    x[:, ::16] += 100
+    dyt = torch.rand(3, 4, generator=generator, dtype=torch.float64)
+    quotas = torch.tensor([600, 1, 3000])
+    got = top_rows(dyt, x, topo.rowptr, topo.col, quotas, 0, 3)
+    assert torch.equal(got, _top_rows_reference(dyt, x, topo, quotas, 0, 3))

@@ -274,6 +274,25 @@ def test_snack_train_mest_grows_above_its_targets_and_ends_at_them(capsys):
     assert peak > final
 
 
+def test_snack_train_srigl_ends_with_every_output_at_its_share_of_connections(capsys):
+    code = cli.main(
+        ["train", "--algorithm", "srigl", "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
+         "--update-every", "5", "--lr", "1e-2", "--no-progress"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert float(re.search(r"srigl 90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
+    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    densities = re.search(r"erk densities: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)\n", out).groups()
+    ending = r"srigl's connections per output at the end: 32×784 (\S+) · 32×32 (\S+) · 10×32 (\S+)\n"
+    spans = re.search(ending, out)
+    for density, span, (rows, columns) in zip(densities, spans.groups(), [(32, 784), (32, 32), (10, 32)]):
+        nnz = round(float(density) * rows * columns)  # (the density is printed to 3 places)
+        low, _, high = span.partition("–")
+        assert int(high or low) - int(low) <= 1
+        assert abs(int(low) - nnz / rows) <= 1 + 0.0005 * columns
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -160,7 +160,8 @@ class DropGrow(DynamicSparsity):
         seed: int = 0,
         process_group=None,
     ):
-        if type(self).grow is DropGrow.grow:  # a class property: every rank raises alike
+        # (a class property: every rank raises alike; a subclass planning its own way needs no hook)
+        if type(self).grow is DropGrow.grow and type(self)._plan is DropGrow._plan:
             raise TypeError(f"{type(self).__name__} must implement grow(layer, k): DropGrow has no default growth")
         layers = listed(layers)
         self._agree_across_ranks(model, optimizer, constructor_arguments(locals()))
@@ -206,17 +207,26 @@ class DropGrow(DynamicSparsity):
         raise NotImplementedError(f"{type(self).__name__} must implement grow(layer, k)")
 
     def _plan(self, step, index, name, layer):
-        k = self._count(step, layer)
-        recorded = self._batches[index] if self._capture is not None else ()
-        if k == 0 or recorded is ON_RANK_ZERO:
-            return NO_POSITIONS, NO_POSITIONS, None  # on several ranks, rank 0 decides from every rank's records
-        self._check_recorded(step, name, recorded)
-        if not self._records_are_finite(step, name, recorded, "this layer is left alone at this update"):
+        k = self._planned_count(step, index, name, layer)
+        if k == 0:
             return NO_POSITIONS, NO_POSITIONS, None
         drop = self._hook_positions(self.drop(layer, k), "drop", name, k)
         grow = self._hook_positions(self.grow(layer, k), "grow", name, k)
         _refuse_ungrowable_rows(self, layer, grow, name)
         return drop, grow, grown_values(self.grow_init, layer, k, self.generator)
+
+    def _planned_count(self, step: int, index: int, name: str, layer: SparseLinear) -> int:
+        """:meth:`_count` for layer ``index`` at this update, or 0 where this rank leaves it alone:
+        nothing to replace, a rank other than 0 of several (rank 0 decides from every rank's
+        records), or a record holding inf or NaN (warned). Raises where nothing was recorded."""
+        k = self._count(step, layer)
+        recorded = self._batches[index] if self._capture is not None else ()
+        if k == 0 or recorded is ON_RANK_ZERO:
+            return 0
+        self._check_recorded(step, name, recorded)
+        if not self._records_are_finite(step, name, recorded, "this layer is left alone at this update"):
+            return 0
+        return k
 
     def _hook_positions(self, positions, hook: str, name: str, k: int) -> Tensor:
         """What :meth:`drop` or :meth:`grow` returned, after checking it holds ``k`` positions

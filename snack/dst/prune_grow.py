@@ -20,7 +20,7 @@ from snack.topology import BLOCK_ELEMENTS, Topology, linear_positions
 if TYPE_CHECKING:
     from snack.nn.conv_base import _SparseConvNd
 
-__all__ = ["gradient_grow", "linear_index", "magnitude_drop", "random_grow"]
+__all__ = ["gradient_grow", "gradient_grow_rows", "linear_index", "magnitude_drop", "random_grow"]
 
 
 def linear_index(topology: Topology) -> Tensor:
@@ -143,25 +143,100 @@ def gradient_grow(
         return _grow_from_ids(x, dy, topology, k, block_elements, head)
     if head is not None:
         raise ValueError("gradient_grow: head= is for an embedding's table (x its ids), got x of floating dtype")
+    _check_batch("gradient_grow", x, in_features, convolution)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=topology.device)
+    return _best_k_scores(_batch_scores(x, dy, topology, convolution), k, block_elements)
+
+
+@torch.no_grad()
+def gradient_grow_rows(
+    x: Tensor, dy: Tensor, topology: Topology, counts: Tensor, *, block_elements: int = BLOCK_ELEMENTS,
+    convolution: _SparseConvNd | None = None,
+) -> Tensor:
+    """Per row ``r``, the ``counts[r]`` inactive positions of that row with the largest ``|∂L/∂W|``:
+    :func:`gradient_grow` with a quota per row instead of one for the layer (what keeps each row's
+    connection count, :class:`snack.dst.SRigL`).
+
+    The gradient is formed a block of rows at a time as in :func:`gradient_grow` (by the same
+    products; a convolution's from its padded input with ``convolution=``), and each row's quota is
+    taken from its block: the ``counts[r]``-th largest key of the row (``torch.topk`` along rows), the
+    keys above it, then the first of those equal to it. On the CPU, for a batch up to 128, the native
+    kernel of :func:`gradient_grow` forms the scores a few rows at a time and picks each row's in
+    place (its sums may differ from torch's product in the last bit). Equal scores go to the lower
+    position; NaN ranks above every number.
+
+    Args:
+        x, dy, convolution, block_elements: as for :func:`gradient_grow` (not an embedding's ids).
+        topology: the layer's current connections (excluded from growth).
+        counts: ``(out_features,)`` integers, ``0 <= counts[r] <=`` the inactive positions of row ``r``.
+
+    Returns:
+        ``(counts.sum(),)`` int64 linear positions, sorted.
+    """
+    out_features, in_features = topology.shape
+    if not x.is_floating_point():
+        raise TypeError(f"gradient_grow_rows: x must be a floating tensor (not an embedding's ids), got {x.dtype}")
+    _check_batch("gradient_grow_rows", x, in_features, convolution)
+    if not isinstance(counts, Tensor) or counts.shape != (out_features,) or counts.is_floating_point():
+        shown = type(counts).__name__
+        if isinstance(counts, Tensor):
+            shown = f"{counts.dtype} of shape {tuple(counts.shape)}"
+        raise ValueError(f"gradient_grow_rows: counts must be ({out_features},) integers, one per row, got {shown}")
+    counts = counts.to(device=topology.device, dtype=torch.int64)
+    inactive = in_features - topology.rowptr.to(torch.int64).diff()
+    if bool(((counts < 0) | (counts > inactive)).any()):
+        row = int(flat_nonzero((counts < 0) | (counts > inactive))[0])
+        raise ValueError(
+            f"gradient_grow_rows: counts[{row}] is {int(counts[row])}, but row {row} has {int(inactive[row])} inactive "
+            "positions (each count must be from 0 to its row's)"
+        )
+    scores = _batch_scores(x, dy, topology, convolution)
+    if scores.native:  # the scores and each row's pick in one kernel (grow_scores.cpp)
+        return torch.ops.snack_cpu.gradient_scores_top_rows(
+            scores.dy_t, scores.x, topology.rowptr, topology.col.contiguous(), counts.contiguous(), 0, out_features
+        )
+    rows_per_block = max(1, block_elements // in_features)
+    parts = [torch.empty(0, dtype=torch.int64, device=topology.device)]
+    for first in range(0, out_features, rows_per_block):
+        last = min(out_features, first + rows_per_block)
+        quota = counts[first:last]
+        most = int(quota.max())
+        if most == 0:
+            continue
+        keys = scores.of_rows(first, last).view(last - first, in_features)  # active positions: -1
+        # the quota-th largest key of each row (its first for a quota of 0, which takes nothing)
+        bar = keys.topk(most, dim=1).values.gather(1, (quota - 1).clamp_min(0).unsqueeze(1))
+        above = keys > bar
+        at_bar = keys == bar
+        # (a quota never exceeds the row's inactive positions, so the bar is an inactive key, >= 0)
+        chosen = above | (at_bar & (at_bar.cumsum(1) <= (quota - above.sum(1)).unsqueeze(1)))
+        chosen &= (quota > 0).unsqueeze(1)
+        parts.append(flat_nonzero(chosen.view(-1)) + first * in_features)
+    return torch.cat(parts)
+
+
+def _check_batch(caller: str, x: Tensor, in_features: int, convolution: _SparseConvNd | None) -> None:
+    """Raise unless ``x`` is a layer's ``(B, in)`` rows, or with ``convolution`` its rows or padded input."""
     width = in_features if convolution is None else convolution._rows_width
     padded_dims = None if convolution is None else 2 + len(convolution._computed_geometry[0])
     if not (x.dim() == 2 and x.shape[1] == width or x.dim() == padded_dims):
         raise ValueError(
-            f"gradient_grow: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp; a 3-D one's "
+            f"{caller}: x must be (B, {width}) rows, or a convolution's padded input (N, C, Hp, Wp; a 3-D one's "
             f"(N, C, Dp, Hp, Wp)) with convolution= the layer; got x of shape {tuple(x.shape)} and "
             f"convolution={convolution!r}"
             + (" (a convolution's rows need convolution= the layer)" if convolution is None and x.dim() == 2 else "")
         )
-    if k <= 0:
-        return torch.empty(0, dtype=torch.int64, device=topology.device)
     if x.dim() > 2 and x.shape[1] != convolution._window_channels:
-        raise ValueError(f"gradient_grow: x must have {convolution._window_channels} channels, got {tuple(x.shape)}")
-    groups = 1 if convolution is None else convolution.groups
+        raise ValueError(f"{caller}: x must have {convolution._window_channels} channels, got {tuple(x.shape)}")
+
+
+def _batch_scores(x: Tensor, dy: Tensor, topology: Topology, convolution: _SparseConvNd | None) -> _GradientScores:
+    """The scores of a batch ``x`` (rows, or with ``convolution`` a padded input) and ``dy`` that
+    :func:`_check_batch` accepted."""
     if x.dim() == 2:
-        scores = _GradientScores(x, dy, topology, groups)
-    else:
-        scores = _ConvolutionScores(x, dy, topology, convolution)
-    return _best_k_scores(scores, k, block_elements)
+        return _GradientScores(x, dy, topology, 1 if convolution is None else convolution.groups)
+    return _ConvolutionScores(x, dy, topology, convolution)
 
 
 def _grow_from_ids(
