@@ -1,7 +1,9 @@
-"""Small float64 models and a training loop shared by the tests of GraNet and MEST, whose updates
-are checked against the dense model's gradient (``snack.densify`` of a copy)."""
+"""Small float64 models and a training loop shared by the tests of GraNet, MEST and SRigL, whose
+updates are checked against the dense model's gradient (``snack.densify`` of a copy)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -46,3 +48,14 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, dst, inputs: list[torch.
         opt.step()
         flags.append(dst.step())
     return flags
+
+
+def step_with_dense_gradients(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> list[torch.Tensor]:
+    """One training step of ``model`` on ``x`` (``dst.step()`` is the caller's), and the gradient
+    ``(out, in)`` of each weight of a dense copy made before it: what growth scores at the step."""
+    dense = snack.densify(copy.deepcopy(model))
+    opt.zero_grad()
+    loss(model, x).backward()
+    opt.step()
+    loss(dense, x).backward()
+    return [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]

@@ -9,7 +9,7 @@ from torch import nn
 
 import snack
 from conftest import check_topology_invariants
-from dst_models import batches, cnn, loss, mlp, sparse_layers, train
+from dst_models import batches, cnn, mlp, sparse_layers, step_with_dense_gradients, train
 from snack.dst.prune_grow import linear_index
 
 SPARSITY = 0.5  # of the models built by dst_models
@@ -48,11 +48,7 @@ def test_an_update_prunes_then_regrows_where_the_dense_gradient_is_largest(make,
     initial = [m.nnz for m in layers]
     pruned = _expected_pruned_counts(layers, dst.sparsity(1), pruning, initial)
     assert sum(pruned) > 0
-    dense = snack.densify(copy.deepcopy(model))
-    loss(model, x).backward()
-    opt.step()
-    loss(dense, x).backward()
-    dense_grads = [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]
+    dense_grads = step_with_dense_gradients(model, opt, x)
     assert dst.step()
     for layer, (key, values), p, n0, grad in zip(layers, old, pruned, initial, dense_grads, strict=True):
         k = min(math.floor(0.3 * (n0 - p)), layer.out_features * layer.in_features - n0)

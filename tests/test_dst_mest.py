@@ -11,7 +11,7 @@ from torch import nn
 
 import snack
 from conftest import check_topology_invariants
-from dst_models import batches, cnn, loss, mlp, sparse_layers, train
+from dst_models import batches, cnn, loss, mlp, sparse_layers, step_with_dense_gradients, train
 from snack.dst.prune_grow import linear_index, random_grow
 
 SPARSITY = 0.6  # of the models built by dst_models
@@ -32,12 +32,7 @@ def test_an_update_drops_the_lowest_scores_and_grows_at_random_up_to_the_bound(m
     score_mattered = False
     for step in (1, 2):
         old = [(m.topology, linear_index(m.topology), m.values.detach().clone()) for m in layers]
-        dense = snack.densify(copy.deepcopy(model))
-        opt.zero_grad()
-        loss(model, x).backward()
-        opt.step()
-        loss(dense, x).backward()
-        dense_grads = [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]
+        dense_grads = step_with_dense_gradients(model, opt, x)
         assert dst.step()
         for layer, (topology, key, values), n, grad in zip(layers, old, targets, dense_grads, strict=True):
             kept = n - math.floor(0.2 * n)

@@ -1,7 +1,6 @@
 """SRigL: RigL's drop balanced per row, regrowth per row by the dense model's gradient, every row at
 its target; balanced_drop and gradient_grow_rows against loops written from their definitions."""
 
-import copy
 import math
 
 import pytest
@@ -12,7 +11,7 @@ from torch import nn
 
 import snack
 from conftest import check_topology_invariants
-from dst_models import cnn, loss, mlp, sparse_layers
+from dst_models import cnn, mlp, sparse_layers, step_with_dense_gradients
 from snack.dst.prune_grow import gradient_grow, gradient_grow_rows, linear_index
 from snack.dst.srigl import balanced_drop
 
@@ -73,12 +72,7 @@ def test_updates_balance_the_drop_regrow_each_row_by_the_dense_gradient_and_keep
     moved_rows = False
     for _ in (1, 2):
         old = [(linear_index(m.topology).tolist(), m.values.detach().clone(), _row_counts(m)) for m in layers]
-        dense = snack.densify(copy.deepcopy(model))
-        opt.zero_grad()
-        loss(model, x).backward()
-        opt.step()
-        loss(dense, x).backward()
-        dense_grads = [m.weight.grad.reshape(m.weight.shape[0], -1) for m in dense.modules() if hasattr(m, "weight")]
+        dense_grads = step_with_dense_gradients(model, opt, x)
         assert dst.step()
         for layer, (key, values, counts), n, grad in zip(layers, old, nnz, dense_grads, strict=True):
             in_features = layer.in_features
