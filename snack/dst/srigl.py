@@ -4,7 +4,7 @@ ICLR 2024): RigL whose updates keep every row of a layer at the same number of c
 A row is one output (a :class:`~snack.SparseLinear`'s output feature, a convolution's output
 channel): with a constant fan-in each output reads the same number of inputs, a structure that
 kernels can store without a row pointer and balance without effort (the paper's condensed
-representation), and that SRigL trains to RigL's accuracy. Each update here:
+representation), and that the paper trains to RigL's accuracy. Each update here:
 
 1. proposes RigL's drop: the ``k = floor(fraction · nnz)`` smallest ``|w|`` of the layer
    (:meth:`SRigL.drop`);
