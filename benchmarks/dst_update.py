@@ -32,6 +32,8 @@ ALGORITHMS = {
     # RigL's drop balanced per row, each row's regrowth its own pick (the layer's rows come with
     # varying counts: the first update balances them, later ones keep them)
     "SRigL": snack.dst.SRigL,
+    # with its neuron ablation at the reference code's γ_sal: RigL's growth is scored first
+    "SRigL γ=0.3": lambda *args, **kwargs: snack.dst.SRigL(*args, ablation=0.3, **kwargs),
     # replacing DROP_FRACTION below the target and growing nothing above it, as SET does, but
     # dropping by the score that adds the active connections' gradient
     "MEST": lambda *args, **kwargs: snack.dst.MEST(*args, extra_fraction=0.0, gradient_weight=0.1, **kwargs),

@@ -28,6 +28,7 @@ waits for the GPU to finish.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import resource
 import statistics
@@ -118,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra-fraction", type=_nonnegative, default=None,
                         help=f"mest only: connections grown above each layer's target at an update, as a fraction "
                              f"of it (default: {MEST_EXTRA_FRACTION})")
+    parser.add_argument("--ablation", type=_fraction, default=None,
+                        help="srigl only: its neuron ablation, an output with fewer salient connections than this "
+                             "fraction of the fan-in loses them all (default: 0, off; the reference code's 0.3)")
     parser.add_argument("--update-every", type=positive_int, default=50, help="steps between DST updates (default: 50)")
     parser.add_argument("--seed", type=whole_number(0, 2**63), default=0,
                         help="seed of init, data order and DST (default: 0)")
@@ -237,6 +241,8 @@ class _Run:
             )
         elif algorithm in DROP_GROW:
             cls = DROP_GROW[algorithm]
+            if algorithm == "srigl" and args.ablation:
+                cls = functools.partial(cls, ablation=args.ablation)
             with warnings.catch_warnings():  # "will never change the topology": run() has said so
                 warnings.filterwarnings("ignore", "(S?RigL|SET) will never change", UserWarning)
                 self.dst = cls(
@@ -379,6 +385,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"snack train: --extra-fraction is mest's (connections grown above each layer's target between "
               f"updates); --algorithm {args.algorithm} has no such bound", file=sys.stderr)  # fmt: skip
         return 2
+    if args.ablation is not None and args.algorithm != "srigl":
+        print(f"snack train: --ablation is srigl's (its neuron ablation); --algorithm {args.algorithm} ablates no "
+              "output", file=sys.stderr)
+        return 2
     starting = _starting_sparsity(args)
     if starting is None:
         return 2
@@ -506,12 +516,15 @@ def _densities(layers: list[snack.SparseLinear]) -> str:
 
 
 def _fan_ins(layers: list[snack.SparseLinear]) -> str:
-    """Each layer's fewest and most connections in one row, as ``shape lo–hi`` (``lo`` when equal)."""
+    """Each layer's fewest and most connections in one row of those with any, as ``shape lo–hi``
+    (``lo`` when equal), and how many rows have none (SRigL's ablated outputs), if any."""
     spans = []
     for m in layers:
         counts = m.topology.rowptr.diff()
-        lo, hi = int(counts.min()), int(counts.max())
-        spans.append(f"{_shape(m)} {lo if lo == hi else f'{lo}–{hi}'}")
+        held = counts[counts > 0]
+        lo, hi = (int(held.min()), int(held.max())) if held.numel() else (0, 0)
+        empty = counts.numel() - held.numel()
+        spans.append(f"{_shape(m)} {lo if lo == hi else f'{lo}–{hi}'}" + (f" ({empty} ablated)" if empty else ""))
     return " · ".join(spans)
 
 

@@ -295,3 +295,76 @@ def test_an_embedding_is_refused_before_anything_is_armed():
     assert not model[0]._forward_hooks and not model[1]._forward_hooks
     dst = snack.dst.SRigL(model, opt, total_steps=10, update_every=2, layers=["1"])  # without it
     assert [name for name, _ in dst.layers] == ["1"]
+
+
+def test_live_rows_ablates_rows_with_too_few_salient_connections():
+    # in = 6; rows' counts 3, 3, 3, 0 (row 3 ablated before); nnz 9, fan-in 9 // 3 = 3
+    rows = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2], dtype=torch.int32)
+    rowptr = torch.tensor([0, 3, 6, 9, 9], dtype=torch.int32)
+    proposal = torch.tensor([0, 1, 2, 3, 6])  # row 0 loses all 3, row 1 one, row 2 one
+    growth = torch.tensor([1 * 6 + 4, 2 * 6 + 5, 3 * 6 + 0])  # RigL would grow one in rows 1, 2 and 3
+    # salient: row 0 0, row 1 2 + 1, row 2 2 + 1; row 3 has no connection: stays ablated
+    live = snack.dst.srigl.live_rows(rows, rowptr, 6, proposal, growth, 0.5)
+    assert live.tolist() == [False, True, True, False]
+    assert snack.dst.srigl.live_rows(rows, rowptr, 6, proposal, growth, 1.0).tolist() == [False, True, True, False]
+    # nine connections need two rows of six: the most salient are kept however high the bar
+    growth_row_2 = torch.tensor([2 * 6 + 4, 2 * 6 + 5])
+    assert snack.dst.srigl.live_rows(rows, rowptr, 6, proposal, growth_row_2, 1.0).tolist() == [
+        False, True, True, False]  # fmt: skip
+    drop, quotas = balanced_drop(torch.ones(9), rows, rowptr, 6, proposal, live)
+    assert drop.tolist() == [0, 1, 2, 3, 6]  # row 0 drops everything
+    # nine connections over the two live rows: 4 each and the extra to the one keeping more, a tie
+    # of 2 and 2 that the lower row wins: rows 1 and 2 end at 5 and 4
+    assert quotas.tolist() == [0, 3, 2, 0]
+    final = torch.tensor([3, 3, 3, 0]) - torch.bincount(rows[drop].long(), minlength=4) + quotas
+    assert final.tolist() == [0, 5, 4, 0]
+
+
+def test_ablation_empties_the_outputs_that_nothing_needs_and_spreads_nnz_over_the_others():
+    """Outputs 0-2 feed nothing (zero gradient) and hold the smallest weights: RigL's drop takes
+    them and its growth gives them nothing, so they are ablated and stay so; the layer's nnz is
+    spread over the other five outputs, each at nnz // 5 or one more."""
+    torch.manual_seed(0)
+    layer = snack.SparseLinear(20, 8, sparsity=0.7)
+    with torch.no_grad():
+        layer.values[layer.row < 3] *= 1e-6
+    nnz = layer.nnz
+    opt = torch.optim.SGD(layer.parameters(), lr=0.0)
+    dst = snack.dst.SRigL(layer, opt, ablation=0.3, drop_fraction=0.5, update_every=1, total_steps=100,
+                          schedule="constant")  # fmt: skip
+    for _ in range(3):
+        opt.zero_grad()
+        layer(torch.randn(16, 20))[:, 3:].square().sum().backward()
+        opt.step()
+        assert dst.step()
+        counts = _row_counts(layer)
+        assert counts[:3] == [0, 0, 0] and layer.nnz == nnz
+        assert sorted(counts[3:]) == sorted([nnz // 5 + (i < nnz % 5) for i in range(5)])
+        check_topology_invariants(layer, nnz)
+
+
+def test_without_ablation_an_output_without_connections_gets_its_share():
+    layer = snack.SparseLinear.from_coo(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 2, 3]), torch.ones(4), (3, 5))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    dst = snack.dst.SRigL(layer, opt, drop_fraction=0.25, update_every=1, total_steps=100, schedule="constant")
+    layer(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    assert dst.step()
+    assert sorted(_row_counts(layer)) == [1, 1, 2]
+
+
+@pytest.mark.parametrize("ablation, error", [(1.5, ValueError), (-0.1, ValueError), ("0.3", TypeError)])
+def test_a_bad_ablation_is_refused_naming_it(ablation, error):
+    layer = snack.SparseLinear(6, 4, sparsity=0.5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(error, match="ablation must be"):
+        snack.dst.SRigL(layer, opt, ablation=ablation, total_steps=10, update_every=2)
+    assert not layer._forward_hooks
+
+
+def test_a_state_saved_with_another_ablation_is_refused():
+    layer = snack.SparseLinear(6, 4, sparsity=0.5)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    state = snack.dst.SRigL(layer, opt, ablation=0.3, total_steps=10, update_every=2).state_dict()
+    with pytest.raises(ValueError, match="ablation"):
+        snack.dst.SRigL(layer, opt, total_steps=10, update_every=2).load_state_dict(state)

@@ -299,6 +299,7 @@ def test_snack_train_srigl_ends_with_every_output_at_its_share_of_connections(ca
         (["--algorithm", "rigl", "--initial-sparsity", "0.5"], "--initial-sparsity is granet's"),
         (["--algorithm", "granet", "--sparsity", "0.3"], "--initial-sparsity 0.5 is above --sparsity 0.3"),
         (["--algorithm", "set", "--extra-fraction", "0.5"], "--extra-fraction is mest's"),
+        (["--algorithm", "rigl", "--ablation", "0.3"], "--ablation is srigl's"),
     ],
 )
 def test_snack_train_refuses_options_that_do_not_fit(argv, message, capsys):

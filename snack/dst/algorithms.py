@@ -298,16 +298,16 @@ class SET(DropGrow):
         return random_grow(layer.growth_topology, k, self.generator)
 
 
-def _with_split_sign(base: inspect.Signature) -> inspect.Signature:
-    """``base`` (DropGrow's constructor) with SET's ``split_sign`` among its keyword arguments."""
+def with_keyword(base: inspect.Signature, name: str, default, annotation: str) -> inspect.Signature:
+    """``base`` (DropGrow's constructor) with a subclass's keyword argument ``name`` first among its
+    keyword arguments: what ``help()`` and ``inspect`` show for a constructor taking ``**kwargs``."""
     parameters = list(base.parameters.values())
     first_keyword = next(i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.KEYWORD_ONLY)
-    split_sign = inspect.Parameter("split_sign", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool")
-    return base.replace(parameters=[*parameters[:first_keyword], split_sign, *parameters[first_keyword:]])
+    added = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+    return base.replace(parameters=[*parameters[:first_keyword], added, *parameters[first_keyword:]])
 
 
-# what help(SET) and inspect show: every argument with its default, not **kwargs
-SET.__init__.__signature__ = _with_split_sign(inspect.signature(DropGrow.__init__))
+SET.__init__.__signature__ = with_keyword(inspect.signature(DropGrow.__init__), "split_sign", False, "bool")
 
 
 class RigL(DropGrow):
