@@ -239,16 +239,23 @@ def test_snack_train_lstm_learns_shakespeare_against_torchs_lstm_and_writes(caps
     assert float(rows[2][3]) < 4.3 and float(rows[3][3]) < 4.6
 
 
-def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys):
+def _small_dst_run(capsys, label: str, *options: str) -> str:
+    """``snack train`` of a 32-wide MLP on 600 digits for 2 epochs with ``options`` (an algorithm's):
+    its output, after checking it learned (``label``'s held-out accuracy) and rewired."""
     code = cli.main(
-        ["train", "--algorithm", "granet", "--initial-sparsity", "0.6", "--sparsity", "0.9", "--width", "32",
-         "--epochs", "2", "--limit", "600", "--batch-size", "32", "--update-every", "5", "--lr", "1e-2",
-         "--no-progress"]
+        ["train", *options, "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
+         "--update-every", "5", "--lr", "1e-2", "--no-progress"]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
-    assert float(re.search(r"granet 60%→90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
+    assert float(re.search(rf"{label}: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
     assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    return out
+
+
+def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys):
+    options = ("--algorithm", "granet", "--initial-sparsity", "0.6", "--sparsity", "0.9")
+    out = _small_dst_run(capsys, "granet 60%→90%", *options)
     start = re.search(r"erk densities: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)\n", out).groups()
     end = re.search(r"granet's densities at the end: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)", out)
     sizes = (32 * 784, 32 * 32, 10 * 32)
@@ -257,15 +264,7 @@ def test_snack_train_granet_prunes_from_the_initial_to_the_final_sparsity(capsys
 
 
 def test_snack_train_mest_grows_above_its_targets_and_ends_at_them(capsys):
-    code = cli.main(
-        ["train", "--algorithm", "mest", "--extra-fraction", "0.4", "--drop-fraction", "0.1", "--width", "32",
-         "--epochs", "2", "--limit", "600", "--batch-size", "32", "--update-every", "5", "--lr", "1e-2",
-         "--no-progress"]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0
-    assert float(re.search(r"mest 90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
-    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    out = _small_dst_run(capsys, "mest 90%", "--algorithm", "mest", "--extra-fraction", "0.4", "--drop-fraction", "0.1")
     start = re.search(r"erk densities: (32×784 \d\.\d+ · 32×32 \d\.\d+ · 10×32 \d\.\d+)\n", out).group(1)
     assert f"mest's densities at the end: {start}\n" in out
     # above its targets between updates: its state was larger then than at the end
@@ -275,14 +274,7 @@ def test_snack_train_mest_grows_above_its_targets_and_ends_at_them(capsys):
 
 
 def test_snack_train_srigl_ends_with_every_output_at_its_share_of_connections(capsys):
-    code = cli.main(
-        ["train", "--algorithm", "srigl", "--width", "32", "--epochs", "2", "--limit", "600", "--batch-size", "32",
-         "--update-every", "5", "--lr", "1e-2", "--no-progress"]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0
-    assert float(re.search(r"srigl 90%: held-out accuracy (\d\.\d+)", out).group(1)) > 0.3  # chance is 0.1
-    assert int(re.search(r"(\d+) topology updates", out).group(1)) > 0
+    out = _small_dst_run(capsys, "srigl 90%", "--algorithm", "srigl")
     densities = re.search(r"erk densities: 32×784 (\d\.\d+) · 32×32 (\d\.\d+) · 10×32 (\d\.\d+)\n", out).groups()
     ending = r"srigl's connections per output at the end: 32×784 (\S+) · 32×32 (\S+) · 10×32 (\S+)\n"
     spans = re.search(ending, out)
