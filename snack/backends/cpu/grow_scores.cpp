@@ -52,8 +52,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 namespace {
@@ -152,6 +154,27 @@ struct Survivors {
   }
 };
 
+// Bit j set where lane j of a comparison's result (all ones or zeros per lane) is set: one
+// movemask instruction with AVX2 or SSE2 (AVX-512 builds compare into mask registers instead).
+// GCC compiled the plain loop over the lanes into an extract and a scalar compare per lane, and
+// collect_row then cost more than forming the scores: in an interleaved probe of a 4096² layer at
+// 90%, batch 32, scoring and collecting took 31-33 ms with that loop against 20-21 ms with this
+// on one thread (forming the scores alone 13-15), 18-23 against 10-17 ms on two (AVX2, AMD EPYC).
+template <typename T>
+inline uint32_t lane_mask(typename Lanes<T>::VK hits) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) return _mm256_movemask_ps(reinterpret_cast<__m256>(hits));
+  else return _mm256_movemask_pd(reinterpret_cast<__m256d>(hits));
+#elif defined(__SSE2__) && !defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) return _mm_movemask_ps(reinterpret_cast<__m128>(hits));
+  else return _mm_movemask_pd(reinterpret_cast<__m128d>(hits));
+#else
+  uint32_t mask = 0;
+  for (int j = 0; j < Lanes<T>::L; ++j) mask |= static_cast<uint32_t>(hits[j] != 0) << j;
+  return mask;
+#endif
+}
+
 // Appends to out the survivors of one row: `scores` (n_in, signed, padded to whole vectors),
 // the row's connections `col[begin .. end)`, its first position `base`. `held` (a bit per
 // column, L per word, all 0) marks the connections while the row is read and is cleared after.
@@ -193,10 +216,8 @@ void collect_row(const T* scores, int64_t n_in, const int32_t* col, int64_t begi
     }
     n += __builtin_popcount(pass);
 #else
-    // the lanes' mask (a loop the compiler vectorizes), then only its set bits are visited
-    uint32_t reach = 0;
-    for (int j = 0; j < L; ++j) reach |= static_cast<uint32_t>(key[j] >= bar) << j;
-    for (pass &= reach; pass != 0; pass &= pass - 1) {
+    // the lanes' mask (a vector compare), then only its set bits are visited
+    for (pass &= lane_mask<T>(key >= bar); pass != 0; pass &= pass - 1) {
       const int j = __builtin_ctz(pass);
       keys[n] = key[j];
       positions[n++] = base + c0 + j;
