@@ -94,7 +94,7 @@ def gradient_grow(
     most one block plus ``2k`` candidates exist at once: the ``out × in`` gradient only for a
     layer that fits in one block (4 MB of float32 scores by default). On the CPU, for a batch up
     to 128, a native kernel scores a block a few rows at a time and keeps only the scores that
-    reach the bar (1.3-1.5x faster for a 4096² layer at batch 32; its sums may differ from
+    reach the bar (1.4-2.1x faster for a 4096² layer at batch 32; its sums may differ from
     torch's matrix product in the last bit). Equal scores go to the lower position; NaN ranks
     above every number.
 
