@@ -94,9 +94,9 @@ def gradient_grow(
     most one block plus ``2k`` candidates exist at once: the ``out × in`` gradient only for a
     layer that fits in one block (4 MB of float32 scores by default). On the CPU, for a batch up
     to 128, a native kernel scores a block a few rows at a time and keeps only the scores that
-    reach the bar (1.4-2.1x faster for a 4096² layer at batch 32; its sums may differ from
-    torch's matrix product in the last bit). Equal scores go to the lower position; NaN ranks
-    above every number.
+    reach the bar (for a 4096² layer at batch 32: 1.75x faster at 90%, 2.1x at 99% on an AVX2
+    host, 1.4x on an AVX-512 one; its sums may differ from torch's matrix product in the last
+    bit). Equal scores go to the lower position; NaN ranks above every number.
 
     A convolution's ``∂L/∂W`` is scored from its padded input instead of its im2col rows
     (``convolution=``): each block is the weight gradient of a block of output channels, by
