@@ -785,9 +785,16 @@ void scatter_row_scalar(int64_t r0, int64_t r1, const index_t* rowptr, const ind
 }
 #endif
 
+// spmm_t's rows (the comment above), out of line: inlined into scatter_product's parallel loop, GCC
+// kept the prefetch bound, the values pointer and a column offset on the stack, a store and two
+// reloads per non-zero on the loop's address chain. Out of line they stay in registers: spmm_t took
+// 0.80-0.87x the time at batch 8-128 (4096², 90%; AVX2 AMD EPYC, 2 threads, builds alternating,
+// three runs each), and a training step of the layer at batch 32 ran 9.1-9.7x as fast as
+// nn.Linear's, against 8.2-8.3x.
 template <int W, bool kFused, typename scalar_t, typename acc_t>
-void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col, const scalar_t* values,
-                  const acc_t* dyt, acc_t* buf, const acc_t* xt, acc_t* dval, bool accumulate) {
+__attribute__((noinline)) void scatter_rows(int64_t r0, int64_t r1, const index_t* rowptr, const index_t* col,
+                                            const scalar_t* values, const acc_t* dyt, acc_t* buf, const acc_t* xt,
+                                            acc_t* dval, bool accumulate) {
 #if defined(__AVX512F__)
   if constexpr (W == 1 && std::is_same_v<acc_t, float>) {
     if (scalar_gathers()) {
