@@ -6,6 +6,8 @@ import argparse
 import csv
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,9 @@ import pytest
 import torch
 
 from snack.bench import Machine, cli
-from snack.bench.report import compare_and_save, format_comparison
+from snack.bench import page_faults
+from snack.bench.harness import TimeRecord
+from snack.bench.report import compare_and_save, format_comparison, format_faults
 from snack.bench.roofline import sparse_bound
 from snack.bench.timing import Timer, interleaved_samples
 from snack.bench.variants import TorchSparseCSR, build_variants
@@ -21,6 +25,15 @@ from snack.nn import SparseLinear
 from snack import cli as snack_cli
 
 VARIANT_NAMES = {"dense", "dense+mask", "torch.sparse", "snack"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keep_this_process_allocator():
+    """In-process runs leave this process's malloc as it is (glibc's setting would last for the
+    tests after them): ``keep_freed_memory`` is a no-op here; the subprocess tests run the real one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "keep_freed_memory", lambda: None)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +77,9 @@ def test_json_is_complete(bench_output):
         else:
             assert t["bound_ms"] is None and t["distance"] is None  # not applicable: null
     assert {m["variant"] for m in document["memory"]} == VARIANT_NAMES
+    assert document["keeps_freed_memory"] is True  # the default
+    if sys.platform.startswith("linux"):  # (where resource counts them)
+        assert all(t["faults_per_call"] >= 0 for t in times)
 
 
 @pytest.mark.parametrize("path", ["cpu_layer.json", "one_thread/cpu_layer.json", "gpu/cuda_layer.json"])
@@ -84,6 +100,8 @@ def test_the_printed_tables_are_saved_as_markdown(bench_output):
     text = (bench_output / "cpu_layer.md").read_text()
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC · .* · `snack bench ", text)
     assert "| size | mode | sparsity | batch |" in text and "Training memory per layer" in text
+    assert "glibc keeps freed memory (the default" in text
+    assert "Most minor page faults per call" in text or "Page faults per call: not counted" in text
 
 
 def test_plot_is_a_png(bench_output):
@@ -320,3 +338,82 @@ def test_the_machine_line_names_the_batch_one_gather_mode(monkeypatch):
 
     monkeypatch.setattr(backends, "get_backend", unavailable)
     assert f"threads, {isa};" in machine_line(torch.device("cpu"))
+
+
+def _record(variant: str, faults: float, batch: int = 1) -> TimeRecord:
+    return TimeRecord(out_features=8, in_features=4, sparsity=0.5, batch=batch, mode="training", variant=variant,
+                      median_ms=1.0, q25_ms=1.0, q75_ms=1.0, faults_per_call=faults)
+
+
+def test_the_faults_line_names_each_variants_worst_point():
+    records = [_record("dense", 3.0), _record("dense", 16385.0, batch=32), _record("snack", 0.0),
+               _record("torch.sparse", 1 / 3, batch=8)]
+    assert format_faults(records) == (
+        "Most minor page faults per call (fresh memory, mapped in a page at a time): "
+        "dense 16,385 (8x4 training, B=32), snack 0, torch.sparse 0.3 (8x4 training, B=8)."
+    )
+    assert format_faults([_record("dense", float("nan"))]) == "Page faults per call: not counted on this platform."
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and Linux's fault counts")
+def test_keeping_freed_memory_stops_a_fresh_tensor_faulting_in_its_pages():
+    # in a process of its own: the setting lasts for the rest of the process
+    code = """
+import torch
+from snack.bench.page_faults import keep_freed_memory, minor_faults
+
+def faults_of_a_64_mib_tensor_allocated_again():
+    torch.empty(2**24).fill_(1.0)  # written, then freed
+    before = minor_faults()
+    torch.empty(2**24).fill_(1.0)
+    return minor_faults() - before
+
+print(faults_of_a_64_mib_tensor_allocated_again())
+keep_freed_memory()
+faults_of_a_64_mib_tensor_allocated_again()  # (the heap grows to hold it once)
+print(faults_of_a_64_mib_tensor_allocated_again())
+"""
+    fresh, kept = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                          check=True).stdout.split())
+    assert fresh > 0 and kept <= fresh // 10, (fresh, kept)
+
+
+def test_without_mallopt_keeping_freed_memory_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(page_faults.ctypes, "CDLL", lambda name: object())  # a C library without mallopt
+    with pytest.raises(RuntimeError, match="has no mallopt; this needs glibc"):
+        page_faults.keep_freed_memory()
+
+
+def test_a_refused_keep_freed_memory_stops_the_run_before_benchmarking(tmp_path, capsys, monkeypatch):
+    def refused():
+        raise RuntimeError("glibc's mallopt refused M_MMAP_THRESHOLD = 2147483647")
+
+    monkeypatch.setattr(cli, "keep_freed_memory", refused)
+    monkeypatch.setattr(cli, "measure_machine", _stop)
+    assert snack_cli.main([*TINY, "--sparsity", "0.5", "--keep-freed-memory", "--out", str(tmp_path)]) == 2
+    assert "snack bench: --keep-freed-memory: glibc's mallopt refused" in capsys.readouterr().err
+
+
+def test_where_keeping_freed_memory_fails_by_default_the_run_goes_on_with_a_warning(tmp_path, capsys, monkeypatch):
+    def refused():
+        raise RuntimeError("cannot keep freed memory: the C library (libc.so) has no mallopt")
+
+    monkeypatch.setattr(cli, "keep_freed_memory", refused)
+    assert snack_cli.main([*TINY, "--sparsity", "0.5", "--out", str(tmp_path)]) == 0
+    assert "warning: cannot keep freed memory" in capsys.readouterr().err
+    assert json.loads((tmp_path / "cpu_layer.json").read_text())["keeps_freed_memory"] is False
+    assert "memory allocator as PyTorch ships it" in (tmp_path / "cpu_layer.md").read_text()
+
+
+def test_no_keep_freed_memory_leaves_the_allocator_as_shipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "keep_freed_memory", _stop)
+    assert snack_cli.main([*TINY, "--sparsity", "0.5", "--no-keep-freed-memory", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "cpu_layer.json").read_text())["keeps_freed_memory"] is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_run_keeps_freed_memory_by_default_and_says_so(tmp_path):
+    argv = [sys.executable, "-m", "snack", *TINY, "--sparsity", "0.5", "--out", str(tmp_path)]
+    subprocess.run(argv, capture_output=True, check=True)
+    assert json.loads((tmp_path / "cpu_layer.json").read_text())["keeps_freed_memory"] is True
+    assert "glibc keeps freed memory (the default since 2026-12-07)" in (tmp_path / "cpu_layer.md").read_text()

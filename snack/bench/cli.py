@@ -18,8 +18,9 @@ import torch
 
 from snack.backends import default_backend_name
 from snack.bench.harness import MODES, Grid, run_grid
+from snack.bench.page_faults import keep_freed_memory
 from snack.bench.provenance import machine_line, utc_stamp
-from snack.bench.report import format_memory, format_table, write_csv, write_json, write_plot
+from snack.bench.report import format_faults, format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
 from snack.cli import device_argument, positive_int, sparsity_argument, unavailable_device
 from snack.topology import MAX_INDEX, nnz_for_sparsity
@@ -27,6 +28,11 @@ from snack.topology import MAX_INDEX, nnz_for_sparsity
 __all__ = ["add_arguments", "run"]
 
 FULL = dict(sizes=["4096x4096", "768x3072"], sparsity=[0.9, 0.95, 0.99], batch=[1, 8, 32, 128], repeats=7)
+# How the run's memory allocator treats freed blocks, as the tables say it (snack.bench.page_faults)
+ALLOCATORS = {
+    False: "memory allocator as PyTorch ships it (--no-keep-freed-memory; glibc gives large freed blocks back)",
+    True: "glibc keeps freed memory (the default since 2026-12-07)",
+}
 QUICK = dict(sizes=["768x3072"], sparsity=[0.9, 0.99], batch=[1, 32], repeats=3)
 
 
@@ -65,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_argument, default=torch.device("cpu"), help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--threads", type=positive_int, help="CPU threads for every variant (default: torch's, all cores)")
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks, or benchmarks/quick with --quick)")
+    parser.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
+                        help="tell glibc's malloc to keep freed memory for reuse (the default where the C library is "
+                             "glibc), so that no variant pays page faults for fresh large tensors in every call, as "
+                             "dense training otherwise may (a new 64 MiB weight gradient per step at 4096x4096); "
+                             "--no-keep-freed-memory: the allocator as PyTorch ships it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -96,6 +107,17 @@ def run(args: argparse.Namespace) -> int:
     if (problem := _too_large(grid, device)) is not None:
         print(f"snack bench: {problem}", file=sys.stderr)
         return 2
+    keeps_freed_memory = False
+    if args.keep_freed_memory is not False:
+        try:
+            keep_freed_memory()
+            keeps_freed_memory = True
+        except RuntimeError as error:
+            if args.keep_freed_memory:  # asked for by name
+                print(f"snack bench: --keep-freed-memory: {error}", file=sys.stderr)
+                return 2
+            print(f"snack bench: warning: {error}; the allocator runs as PyTorch ships it", file=sys.stderr)
+    allocator = ALLOCATORS[keeps_freed_memory]
     from tqdm import tqdm
 
     backend = default_backend_name(device.type)
@@ -117,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
         "backend": backend,
         "command": command,
+        "keeps_freed_memory": keeps_freed_memory,
         # other work on the machine shows up as noise: record how busy it was
         "load_average_1min_at_end": os.getloadavg()[0],
         "bandwidth_bytes_per_s": machine.bandwidth,
@@ -129,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
     tables = "\n".join([
         f"\n{metadata['date']} · {metadata['machine']} · `{command}`",
         f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
-        "distance = snack time / roofline bound (below 1: the bandwidth measured first was low, a busy machine)\n",
+        "distance = snack time / roofline bound (below 1: the bandwidth measured first was low, a busy machine); "
+        f"{allocator}\n",
         format_table(times),
+        "\n" + format_faults(times),
         "\nTraining memory per layer (parameters + gradients + Adam state + index structure), MiB:\n",
         format_memory(memory),
     ])  # fmt: skip

@@ -5,7 +5,8 @@ For each ``(size, sparsity)`` the variants are built once from one topology. For
 every variant, in an order that rotates between rounds, so drift on a shared machine affects
 all variants alike. Reported: median seconds per call and the interquartile range, the
 speedups over ``dense`` and ``dense+mask`` (ratios of medians), snack's roofline bound and its
-distance to it, and each variant's training memory.
+distance to it, the page faults a call takes (counted over a few calls after the samples, see
+:mod:`snack.bench.page_faults`), and each variant's training memory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from snack import backends
+from snack.bench.page_faults import minor_faults
 from snack.bench.roofline import Machine, sparse_bound
 from snack.bench.timing import interleaved_samples
 from snack.bench.variants import build_variants
@@ -57,6 +59,7 @@ class TimeRecord:
     speedup_vs_mask: float = float("nan")
     bound_ms: float = float("nan")  # snack only: the roofline bound
     distance: float = float("nan")  # snack only: median / bound
+    faults_per_call: float = float("nan")  # minor page faults (fresh memory); NaN where not counted
     samples_ms: list[float] = field(default_factory=list, repr=False)
 
 
@@ -83,10 +86,15 @@ def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     return q25, q50, q75
 
 
+# Calls over which a variant's page faults are counted, after its samples (in the steady state)
+_FAULT_CALLS = 3
+
+
 def _measure_point(
     variants, size: tuple[int, int], batch: int, mode: str, repeats: int, device: torch.device
-) -> dict[str, list[float]]:
-    """Interleaved samples (seconds per call) of every variant at one (batch, mode)."""
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Interleaved samples (seconds per call) of every variant at one (batch, mode), and the
+    minor page faults per call of each (NaN where the platform does not count them)."""
     out_features, in_features = size
     generator = torch.Generator(device=device).manual_seed(batch)
     x = torch.randn(batch, in_features, device=device, generator=generator)
@@ -98,10 +106,23 @@ def _measure_point(
             return lambda: variant.infer(x)
         return lambda: variant.train_step(x_grad, dy)
 
-    return interleaved_samples({v.name: call(v) for v in variants}, device, repeats)
+    calls = {v.name: call(v) for v in variants}
+    samples = interleaved_samples(calls, device, repeats)
+    return samples, {name: _faults_per_call(fn) for name, fn in calls.items()}
 
 
-def _time_records(point: dict, samples: dict[str, list[float]], bound: float) -> list[TimeRecord]:
+def _faults_per_call(fn: Callable[[], object]) -> float:
+    before = minor_faults()
+    if before is None:
+        return float("nan")
+    for _ in range(_FAULT_CALLS):
+        fn()
+    return (minor_faults() - before) / _FAULT_CALLS
+
+
+def _time_records(
+    point: dict, samples: dict[str, list[float]], faults: dict[str, float], bound: float
+) -> list[TimeRecord]:
     medians = {name: statistics.median(s) for name, s in samples.items()}
     records = []
     for name, s in samples.items():
@@ -109,7 +130,7 @@ def _time_records(point: dict, samples: dict[str, list[float]], bound: float) ->
         record = TimeRecord(
             **point, variant=name, median_ms=median * 1e3, q25_ms=q25 * 1e3, q75_ms=q75 * 1e3,
             speedup_vs_dense=medians["dense"] / median, speedup_vs_mask=medians["dense+mask"] / median,
-            samples_ms=[t * 1e3 for t in s],
+            faults_per_call=faults[name], samples_ms=[t * 1e3 for t in s],
         )
         if name == "snack":
             record.bound_ms = bound * 1e3
@@ -165,13 +186,13 @@ def run_grid(
                 variants = build_variants(*size, requested, device)
                 for batch in grid.batches:
                     for mode in grid.modes:
-                        samples = _measure_point(variants, size, batch, mode, grid.repeats, device)
+                        samples, faults = _measure_point(variants, size, batch, mode, grid.repeats, device)
                         bound, _, _ = sparse_bound(
                             machine, *size, nnz, batch, mode == "training",
                             forward_column_bytes=_forward_column_bytes(device, batch, size[1]),
                         )
                         point = dict(out_features=size[0], in_features=size[1], sparsity=sparsity, batch=batch, mode=mode)
-                        times.extend(_time_records(point, samples, bound))
+                        times.extend(_time_records(point, samples, faults, bound))
                         if progress is not None:
                             progress(f"{size[0]}x{size[1]} s={sparsity} B={batch} {mode}")
                 # gradients exist now (training steps ran), as they do during training

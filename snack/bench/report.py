@@ -17,7 +17,8 @@ from snack.bench.provenance import machine_line, utc_stamp
 from snack.bench.timing import interleaved_medians
 
 __all__ = [
-    "ResultLines", "compare_and_save", "format_comparison", "format_memory", "format_table", "out_argument",
+    "ResultLines", "compare_and_save", "format_comparison", "format_faults", "format_memory", "format_table",
+    "out_argument",
     "write_csv", "write_json", "write_plot",
 ]
 
@@ -50,6 +51,23 @@ def format_table(times: list[TimeRecord]) -> str:
             f"| {row.bound_ms:.3f} | {row.distance:.2f} |"
         )
     return "\n".join(lines)
+
+
+def format_faults(times: list[TimeRecord]) -> str:
+    """One line: each variant's most minor page faults per call over the points, and where (a
+    fresh block of memory faults in a page at a time; see :mod:`snack.bench.page_faults`)."""
+    parts = []
+    for variant in dict.fromkeys(t.variant for t in times):
+        counted = [t for t in select(times, variant=variant) if not math.isnan(t.faults_per_call)]
+        if not counted:
+            continue
+        worst = max(counted, key=lambda t: t.faults_per_call)
+        count = worst.faults_per_call
+        where = f" ({_size_label(worst.out_features, worst.in_features)} {worst.mode}, B={worst.batch})"
+        parts.append(f"{variant} {count:,.{0 if count >= 10 or count == 0 else 1}f}" + (where if count else ""))
+    if not parts:
+        return "Page faults per call: not counted on this platform."
+    return "Most minor page faults per call (fresh memory, mapped in a page at a time): " + ", ".join(parts) + "."
 
 
 def format_memory(memory: list[MemoryRecord]) -> str:
