@@ -34,6 +34,7 @@ from embedding_step import medians_and_memory  # (this script's folder)
 from torch import nn
 
 import snack
+from snack.bench.page_faults import keep_freed_memory
 from snack.bench.report import ResultLines, out_argument
 from snack.bench.timing import interleaved_medians
 
@@ -92,6 +93,9 @@ def _modules(sparsity: float) -> dict:
 
 def main() -> None:
     out = out_argument(__doc__, OUT)
+    # else the dense table's 256 MB gradient are fresh memory in most steps, which the kernel
+    # faults in a page at a time (snack.bench.page_faults; the results' machine line says so)
+    keep_freed_memory()
     torch.manual_seed(0)
     device = torch.device("cpu")
     lines = ResultLines(device)

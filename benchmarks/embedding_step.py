@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import snack
+from snack.bench.page_faults import keep_freed_memory
 from snack.bench.report import ResultLines, out_argument
 from snack.bench.timing import interleaved_medians
 
@@ -103,6 +104,9 @@ def _variants(sparsity: float, ids: torch.Tensor) -> dict:
 
 def main() -> None:
     out = out_argument(__doc__, OUT)
+    # else the dense table's 154 MB gradient are fresh memory in most steps, which the kernel
+    # faults in a page at a time (snack.bench.page_faults; the results' machine line says so)
+    keep_freed_memory()
     torch.manual_seed(0)
     device = torch.device("cpu")
     lines = ResultLines(device)

@@ -77,7 +77,7 @@ def test_json_is_complete(bench_output):
         else:
             assert t["bound_ms"] is None and t["distance"] is None  # not applicable: null
     assert {m["variant"] for m in document["memory"]} == VARIANT_NAMES
-    assert document["keeps_freed_memory"] is True  # the default
+    assert document["keeps_freed_memory"] is False  # (this process's keep_freed_memory is a no-op)
     if sys.platform.startswith("linux"):  # (where resource counts them)
         assert all(t["faults_per_call"] >= 0 for t in times)
 
@@ -100,7 +100,6 @@ def test_the_printed_tables_are_saved_as_markdown(bench_output):
     text = (bench_output / "cpu_layer.md").read_text()
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC · .* · `snack bench ", text)
     assert "| size | mode | sparsity | batch |" in text and "Training memory per layer" in text
-    assert "glibc keeps freed memory (the default" in text
     assert "Most minor page faults per call" in text or "Page faults per call: not counted" in text
 
 
@@ -409,6 +408,7 @@ def test_no_keep_freed_memory_leaves_the_allocator_as_shipped(tmp_path, monkeypa
     monkeypatch.setattr(cli, "keep_freed_memory", _stop)
     assert snack_cli.main([*TINY, "--sparsity", "0.5", "--no-keep-freed-memory", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "cpu_layer.json").read_text())["keeps_freed_memory"] is False
+    assert "memory allocator as PyTorch ships it" in (tmp_path / "cpu_layer.md").read_text()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -416,4 +416,14 @@ def test_a_run_keeps_freed_memory_by_default_and_says_so(tmp_path):
     argv = [sys.executable, "-m", "snack", *TINY, "--sparsity", "0.5", "--out", str(tmp_path)]
     subprocess.run(argv, capture_output=True, check=True)
     assert json.loads((tmp_path / "cpu_layer.json").read_text())["keeps_freed_memory"] is True
-    assert "glibc keeps freed memory (the default since 2026-12-07)" in (tmp_path / "cpu_layer.md").read_text()
+    text = (tmp_path / "cpu_layer.md").read_text()
+    assert "Python 3" in text and "; glibc keeps freed memory · `snack bench" in text
+    assert "memory allocator as PyTorch ships it" not in text
+
+
+def test_the_machine_line_says_when_glibc_keeps_freed_memory(monkeypatch):
+    from snack.bench.provenance import machine_line
+
+    assert "glibc keeps freed memory" not in machine_line(torch.device("cpu"))
+    monkeypatch.setattr(page_faults, "_kept", True)
+    assert machine_line(torch.device("cpu")).endswith("; glibc keeps freed memory")

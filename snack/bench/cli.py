@@ -18,7 +18,7 @@ import torch
 
 from snack.backends import default_backend_name
 from snack.bench.harness import MODES, Grid, run_grid
-from snack.bench.page_faults import keep_freed_memory
+from snack.bench.page_faults import keep_freed_memory, keeps_freed_memory
 from snack.bench.provenance import machine_line, utc_stamp
 from snack.bench.report import format_faults, format_memory, format_table, write_csv, write_json, write_plot
 from snack.bench.roofline import measure_machine
@@ -28,11 +28,9 @@ from snack.topology import MAX_INDEX, nnz_for_sparsity
 __all__ = ["add_arguments", "run"]
 
 FULL = dict(sizes=["4096x4096", "768x3072"], sparsity=[0.9, 0.95, 0.99], batch=[1, 8, 32, 128], repeats=7)
-# How the run's memory allocator treats freed blocks, as the tables say it (snack.bench.page_faults)
-ALLOCATORS = {
-    False: "memory allocator as PyTorch ships it (--no-keep-freed-memory; glibc gives large freed blocks back)",
-    True: "glibc keeps freed memory (the default since 2026-12-07)",
-}
+# What the tables say of a run whose allocator runs as shipped (the machine line names the default,
+# "glibc keeps freed memory"; snack.bench.page_faults)
+SHIPPED_ALLOCATOR = "; memory allocator as PyTorch ships it (glibc gives large freed blocks back to the system)"
 QUICK = dict(sizes=["768x3072"], sparsity=[0.9, 0.99], batch=[1, 32], repeats=3)
 
 
@@ -107,17 +105,15 @@ def run(args: argparse.Namespace) -> int:
     if (problem := _too_large(grid, device)) is not None:
         print(f"snack bench: {problem}", file=sys.stderr)
         return 2
-    keeps_freed_memory = False
     if args.keep_freed_memory is not False:
         try:
             keep_freed_memory()
-            keeps_freed_memory = True
         except RuntimeError as error:
             if args.keep_freed_memory:  # asked for by name
                 print(f"snack bench: --keep-freed-memory: {error}", file=sys.stderr)
                 return 2
             print(f"snack bench: warning: {error}; the allocator runs as PyTorch ships it", file=sys.stderr)
-    allocator = ALLOCATORS[keeps_freed_memory]
+    allocator = "" if keeps_freed_memory() else SHIPPED_ALLOCATOR
     from tqdm import tqdm
 
     backend = default_backend_name(device.type)
@@ -139,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
         "backend": backend,
         "command": command,
-        "keeps_freed_memory": keeps_freed_memory,
+        "keeps_freed_memory": keeps_freed_memory(),
         # other work on the machine shows up as noise: record how busy it was
         "load_average_1min_at_end": os.getloadavg()[0],
         "bandwidth_bytes_per_s": machine.bandwidth,
@@ -152,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     tables = "\n".join([
         f"\n{metadata['date']} · {metadata['machine']} · `{command}`",
         f"{_limits(machine)}; × = speedup over dense nn.Linear (ratio of medians); "
-        "distance = snack time / roofline bound (below 1: the bandwidth measured first was low, a busy machine); "
+        "distance = snack time / roofline bound (below 1: the bandwidth measured first was low, a busy machine)"
         f"{allocator}\n",
         format_table(times),
         "\n" + format_faults(times),

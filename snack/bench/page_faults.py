@@ -19,12 +19,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-__all__ = ["keep_freed_memory", "minor_faults"]
+__all__ = ["keep_freed_memory", "keeps_freed_memory", "minor_faults"]
 
 # mallopt's parameters (glibc's malloc.h) and the largest value it takes (an int)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _LARGEST = 2**31 - 1
+
+_kept = False  # whether keep_freed_memory succeeded in this process
 
 
 def minor_faults() -> int | None:
@@ -59,3 +61,10 @@ def keep_freed_memory() -> None:
     for parameter, label in ((_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD"), (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD")):
         if mallopt(parameter, _LARGEST) != 1:
             raise RuntimeError(f"cannot keep freed memory: glibc's mallopt refused {label} = {_LARGEST}")
+    global _kept
+    _kept = True
+
+
+def keeps_freed_memory() -> bool:
+    """Whether :func:`keep_freed_memory` has run in this process (results files say so)."""
+    return _kept

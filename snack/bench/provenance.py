@@ -9,12 +9,14 @@ import platform
 import torch
 
 from snack import backends
+from snack.bench.page_faults import keeps_freed_memory
 
 __all__ = ["machine_line", "utc_stamp"]
 
 
 def machine_line(device: torch.device) -> str:
-    """One line naming the hardware and software a result was measured on."""
+    """One line naming the hardware and software a result was measured on, and whether the process
+    told glibc to keep freed memory (:func:`snack.bench.page_faults.keep_freed_memory`)."""
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
@@ -25,7 +27,8 @@ def machine_line(device: torch.device) -> str:
         except (OSError, StopIteration):
             pass
         hardware = f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {_cpu_kernels()}"
-    return f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
+    line = f"{hardware}; torch {torch.__version__}; Python {platform.python_version()}"
+    return line + ("; glibc keeps freed memory" if keeps_freed_memory() else "")
 
 
 def _cpu_kernels() -> str:
