@@ -104,8 +104,8 @@ def _variants(sparsity: float, ids: torch.Tensor) -> dict:
 
 def main() -> None:
     out = out_argument(__doc__, OUT)
-    # else the dense table's 154 MB gradient are fresh memory in most steps, which the kernel
-    # faults in a page at a time (snack.bench.page_faults; the results' machine line says so)
+    # the dense table's 154 MB gradient would otherwise be fresh memory in most steps, faulted in a
+    # page at a time (snack.bench.page_faults); the results' machine line says it is kept
     keep_freed_memory()
     torch.manual_seed(0)
     device = torch.device("cpu")

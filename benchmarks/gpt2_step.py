@@ -82,8 +82,8 @@ def _decode(model: nn.Module, prompt: torch.Tensor):
 
 def main() -> None:
     out = out_argument(__doc__, OUT)
-    # else the dense table's 154 MB gradient and the 51 MB logits are fresh memory in most steps, which the kernel
-    # faults in a page at a time (snack.bench.page_faults; the results' machine line says so)
+    # the dense table's 154 MB gradient would otherwise be fresh memory in most steps, faulted in a
+    # page at a time (snack.bench.page_faults); the results' machine line says it is kept
     keep_freed_memory()
     transformers.logging.set_verbosity_error()  # (the config's loss type notice)
     torch.manual_seed(0)

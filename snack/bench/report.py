@@ -18,8 +18,7 @@ from snack.bench.timing import interleaved_medians
 
 __all__ = [
     "ResultLines", "compare_and_save", "format_comparison", "format_faults", "format_memory", "format_table",
-    "out_argument",
-    "write_csv", "write_json", "write_plot",
+    "out_argument", "write_csv", "write_json", "write_plot",
 ]
 
 
