@@ -46,23 +46,54 @@ def keep_freed_memory() -> None:
     in fresh ones. The process's resident memory then stays at its peak.
 
     Raises:
-        RuntimeError: the C library has no ``mallopt`` (not glibc: musl, macOS, Windows;
-            nothing changed), or glibc refused a value.
+        RuntimeError: the C library has no ``mallopt`` (not glibc: musl, macOS, Windows), this
+            process's ``malloc`` is another library's (preloaded: AddressSanitizer, jemalloc,
+            tcmalloc), where ``mallopt`` would change nothing, or glibc refused a value. Nothing
+            changed in the first two cases.
     """
     name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
         raise RuntimeError(
             f"cannot keep freed memory: the C library ({name or 'not found'}) has no mallopt; "
             "this needs glibc (Linux)"
         ) from None
+    replacement = _malloc_replacing(libc)
+    if replacement is not None:
+        raise RuntimeError(
+            f"cannot keep freed memory: this process's malloc comes from {replacement}, not from "
+            "glibc (preloaded?), so glibc's mallopt would change nothing"
+        )
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     for parameter, label in ((_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD"), (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD")):
         if mallopt(parameter, _LARGEST) != 1:
             raise RuntimeError(f"cannot keep freed memory: glibc's mallopt refused {label} = {_LARGEST}")
     global _kept
     _kept = True
+
+
+def _malloc_replacing(libc: ctypes.CDLL) -> str | None:
+    """The library whose ``malloc`` this process calls instead of glibc's (its file, as the dynamic
+    linker names it), or ``None`` when it calls glibc's. A preloaded library (ASan's runtime
+    under ``./dev sanitize``, jemalloc, tcmalloc) comes first in the process's symbol lookup."""
+    process = ctypes.CDLL(None)  # the whole process's symbols, in lookup order
+    called = ctypes.cast(process.malloc, ctypes.c_void_p).value
+    if called == ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+        return None
+    info = _DlInfo()
+    found = getattr(process, "dladdr", None)
+    if found is None or not found(ctypes.c_void_p(called), ctypes.byref(info)) or not info.dli_fname:
+        return "another library"
+    return info.dli_fname.decode(errors="replace")
+
+
+class _DlInfo(ctypes.Structure):
+    """``Dl_info`` of ``<dlfcn.h>``: what ``dladdr`` says of an address."""
+
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
 def keeps_freed_memory() -> bool:
